@@ -1,0 +1,20 @@
+# Two entry points for a fresh machine with Python 3.11: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+
+.PHONY: setup demo test
+setup: $(VENV)/.installed
+
+# torch is pinned to the CPU build that lies on local disk; an unpinned torch pulls a CUDA build.
+$(VENV)/.installed: setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0 -e ".[test]"
+	touch $@
+
+demo: setup
+	$(BIN)/torchrun --standalone --nproc_per_node 2 launch/ppo.py --config configs/tiny_cpu.yaml
+
+test: setup
+	$(BIN)/python -m pytest tests
