@@ -1,1 +1,49 @@
+"""Device and collective backend: CUDA + NCCL when a GPU is present, else CPU + gloo.
 
+On CPU the Megatron-Core compatibility layer (`cpu_compat`) is applied before any Megatron object
+is built. Everything else in megarl asks this module which device to allocate on.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Platform:
+    device: torch.device
+    backend: str  # torch.distributed backend: "nccl" or "gloo"
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.device.type == "cpu"
+
+
+_PLATFORM: Platform | None = None
+
+
+def init_platform(force_cpu: bool | None = None) -> Platform:
+    """Choose the device once per process. MEGARL_FORCE_CPU=1 selects CPU even when a GPU exists."""
+    global _PLATFORM
+    if _PLATFORM is not None:
+        return _PLATFORM
+    if force_cpu is None:
+        force_cpu = os.environ.get("MEGARL_FORCE_CPU", "0") == "1"
+    if torch.cuda.is_available() and not force_cpu:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        _PLATFORM = Platform(torch.device("cuda", local_rank), "nccl")
+    else:
+        from megarl.platform import cpu_compat
+
+        cpu_compat.apply()
+        _PLATFORM = Platform(torch.device("cpu"), "gloo")
+    return _PLATFORM
+
+
+def current_platform() -> Platform:
+    if _PLATFORM is None:
+        return init_platform()
+    return _PLATFORM

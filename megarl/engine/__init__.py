@@ -1,0 +1,1 @@
+"""MegatronEngine: one role's model, optimizer and pipeline schedules (actor, critic, reference)."""

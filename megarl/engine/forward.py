@@ -1,0 +1,93 @@
+"""Forward passes through Megatron's pipeline schedules, with per-token outputs on every stage.
+
+Micro-batches are dicts of `[micro_batch, seq]` tensors; every micro-batch of one call has the same
+shape (right-padded), because pipeline stages exchange fixed-shape activations. Right padding
+needs no attention mask: attention is causal, so a pad token never influences an earlier position.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megarl.parallel import ParallelDims
+
+# compute(output, micro_batch) -> {name: tensor [micro_batch, ...]}; output is the last stage's
+# model output: vocab-parallel logits [b, s, vocab/tp] (or values [b, s, 1] for a critic).
+ComputeFn = Callable[[torch.Tensor, dict], dict[str, torch.Tensor]]
+
+
+def pad_right(sequences: list[list[int]], pad_id: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [n, length], mask [n, length]) for token-id lists, right-padded."""
+    length = length or max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), length), dtype=torch.bool)
+    for i, seq in enumerate(sequences):
+        ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+        mask[i, : len(seq)] = True
+    return ids, mask
+
+
+def model_forward(model: torch.nn.Module, micro_batch: dict) -> torch.Tensor:
+    """One micro-batch through this stage (earlier stages' activations arrive via the schedule)."""
+    ids = micro_batch["input_ids"]
+    positions = micro_batch.get("position_ids")
+    if positions is None:
+        positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+    return model(input_ids=ids, position_ids=positions, attention_mask=None)
+
+
+@torch.no_grad()
+def pipeline_forward(model: torch.nn.Module, dims: ParallelDims, micro_batches: list[dict], compute: ComputeFn) -> list[dict[str, torch.Tensor]]:
+    """Forward-only over all micro-batches; returns compute()'s outputs on *every* pipeline stage."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not micro_batches:
+        return []
+    batch, seq = micro_batches[0]["input_ids"].shape
+    for mb in micro_batches:
+        if mb["input_ids"].shape != (batch, seq):
+            raise ValueError("all micro-batches of one pipeline call must have the same [batch, seq] shape")
+
+    def loss_func(mb, output, non_loss_data=True):
+        return compute(output, mb)
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        return model_forward(model, mb), partial(loss_func, mb)
+
+    store = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=seq,
+        micro_batch_size=batch,
+        forward_only=True,
+        collect_non_loss_data=True,
+    )
+    return broadcast_from_last_stage(store, dims, len(micro_batches))
+
+
+def broadcast_from_last_stage(store: list[dict], dims: ParallelDims, count: int) -> list[dict[str, torch.Tensor]]:
+    """Move the last stage's per-micro-batch results to every stage of the pipeline group."""
+    if dims.pp == 1:
+        return store
+    stage_ranks = dims.pp_stage_ranks()
+    src = stage_ranks[-1]
+    # Shapes and dtypes first (small objects), then the tensors themselves.
+    header = [[(k, tuple(v.shape), v.dtype) for k, v in d.items()] for d in store] if dims.is_last_stage else None
+    box = [header]
+    dist.broadcast_object_list(box, src=src, group=dims.pp_group)
+    header = box[0]
+    out = []
+    for i in range(count):
+        entry = {}
+        for key, shape, dtype in header[i]:
+            t = store[i][key].contiguous() if dims.is_last_stage else torch.empty(shape, dtype=dtype)
+            dist.broadcast(t, src=src, group=dims.pp_group)
+            entry[key] = t
+        out.append(entry)
+    return out

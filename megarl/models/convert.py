@@ -1,0 +1,177 @@
+"""Hugging Face <-> Megatron-Core weight mapping, per family, in both directions.
+
+Each Megatron parameter has a *canonical full tensor*: the tensor a tp=1 model would hold, under
+a global name (layer and expert numbers over the whole model). A `WeightMapping` says how the
+canonical tensor is assembled from rows of HF tensors (`pieces`, along dim 0) and how it is split
+over tensor parallelism (`tp_dim`, `tp_sub_chunks`, see `ShardMeta`). From that one table we get
+  - loading: each rank reads exactly the HF rows/columns of its own shard (`read_shard`),
+  - export: a full canonical tensor becomes HF tensors (`to_hf`), bit-exact.
+
+Megatron layouts encoded here:
+  linear_qkv: per query group g, [q heads of g; k_g; v_g] (rows), TP splits whole groups.
+  linear_fc1 (gated MLP): [gate; up], each half split over TP -> two sub-chunks per shard.
+  word embeddings / output layer: vocab rows padded with zeros to a multiple of tp.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from megarl.models.families import ModelSpec
+from megarl.models.sharding import ShardMeta
+
+
+@dataclass(frozen=True)
+class Piece:
+    """`rows` consecutive rows of HF tensor `hf_name` starting at `hf_row_start`; None = zero padding."""
+
+    hf_name: str | None
+    rows: int
+    hf_row_start: int = 0
+
+
+@dataclass(frozen=True)
+class WeightMapping:
+    name: str  # global canonical Megatron name (local layer-spec naming)
+    shape: tuple[int, ...]  # canonical full shape (tp = 1)
+    pieces: tuple[Piece, ...]  # rows of the canonical tensor, in order
+    tp_dim: int | None = None
+    tp_sub_chunks: int = 1
+    layer: int | None = None  # global layer index; None for embedding / final norm / output
+    expert: int | None = None  # global expert index for routed-expert weights
+
+    def meta(self, tp_rank: int, tp_size: int) -> ShardMeta:
+        return ShardMeta(self.shape, self.tp_dim, tp_rank, tp_size, self.tp_sub_chunks)
+
+    @property
+    def hf_names(self) -> list[str]:
+        return list(dict.fromkeys(p.hf_name for p in self.pieces if p.hf_name is not None))
+
+
+def _whole(hf_name: str, shape: tuple[int, ...], name: str, tp_dim=None, layer=None, expert=None) -> WeightMapping:
+    return WeightMapping(name, shape, (Piece(hf_name, shape[0]),), tp_dim, 1, layer, expert)
+
+
+def weight_mappings(spec: ModelSpec, tp: int) -> list[WeightMapping]:
+    """Every Megatron parameter of the whole model, in a fixed global order (embedding first)."""
+    h, d = spec.hidden_size, spec.head_dim
+    vocab, padded = spec.vocab_size, spec.padded_vocab_size(tp)
+    pad = (Piece(None, padded - vocab),) if padded > vocab else ()
+    out = [
+        WeightMapping("embedding.word_embeddings.weight", (padded, h), (Piece("model.embed_tokens.weight", vocab),) + pad, tp_dim=0)
+    ]
+    groups, q_per_group = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads
+    for layer in range(spec.num_layers):
+        hf, mc = f"model.layers.{layer}.", f"decoder.layers.{layer}."
+        qkv_rows = (spec.num_heads + 2 * groups) * d
+
+        def qkv_pieces(suffix: str) -> tuple[Piece, ...]:
+            pieces = []
+            for g in range(groups):
+                pieces += [
+                    Piece(f"{hf}self_attn.q_proj.{suffix}", q_per_group * d, g * q_per_group * d),
+                    Piece(f"{hf}self_attn.k_proj.{suffix}", d, g * d),
+                    Piece(f"{hf}self_attn.v_proj.{suffix}", d, g * d),
+                ]
+            return tuple(pieces)
+
+        out.append(_whole(f"{hf}input_layernorm.weight", (h,), f"{mc}input_layernorm.weight", layer=layer))
+        out.append(WeightMapping(f"{mc}self_attention.linear_qkv.weight", (qkv_rows, h), qkv_pieces("weight"), 0, 1, layer))
+        if spec.qkv_bias:
+            out.append(WeightMapping(f"{mc}self_attention.linear_qkv.bias", (qkv_rows,), qkv_pieces("bias"), 0, 1, layer))
+        if spec.qk_norm:
+            out.append(_whole(f"{hf}self_attn.q_norm.weight", (d,), f"{mc}self_attention.q_layernorm.weight", layer=layer))
+            out.append(_whole(f"{hf}self_attn.k_norm.weight", (d,), f"{mc}self_attention.k_layernorm.weight", layer=layer))
+        out.append(_whole(f"{hf}self_attn.o_proj.weight", (h, spec.num_heads * d), f"{mc}self_attention.linear_proj.weight", 1, layer))
+        out.append(_whole(f"{hf}post_attention_layernorm.weight", (h,), f"{mc}pre_mlp_layernorm.weight", layer=layer))
+        if spec.is_moe:
+            names, f = spec.hf_names, spec.moe_ffn_hidden_size
+            block = f"{hf}{names.moe_block}."
+            out.append(_whole(f"{block}{names.router}.weight", (spec.num_experts, h), f"{mc}mlp.router.weight", layer=layer))
+            for e in range(spec.num_experts):
+                ex, mex = f"{block}experts.{e}.", f"{mc}mlp.experts.local_experts.{e}."
+                fc1 = (Piece(f"{ex}{names.expert_gate}.weight", f), Piece(f"{ex}{names.expert_up}.weight", f))
+                out.append(WeightMapping(f"{mex}linear_fc1.weight", (2 * f, h), fc1, 0, 2, layer, e))
+                out.append(_whole(f"{ex}{names.expert_down}.weight", (h, f), f"{mex}linear_fc2.weight", 1, layer, e))
+        else:
+            f = spec.ffn_hidden_size
+            fc1 = (Piece(f"{hf}mlp.gate_proj.weight", f), Piece(f"{hf}mlp.up_proj.weight", f))
+            out.append(WeightMapping(f"{mc}mlp.linear_fc1.weight", (2 * f, h), fc1, 0, 2, layer))
+            out.append(_whole(f"{hf}mlp.down_proj.weight", (h, f), f"{mc}mlp.linear_fc2.weight", 1, layer))
+    out.append(_whole("model.norm.weight", (h,), "decoder.final_layernorm.weight"))
+    lm_head = "model.embed_tokens.weight" if spec.tie_embeddings else "lm_head.weight"
+    out.append(WeightMapping("output_layer.weight", (padded, h), (Piece(lm_head, vocab),) + pad, tp_dim=0))
+    return out
+
+
+def exported_mappings(spec: ModelSpec, tp: int) -> list[WeightMapping]:
+    """Mappings that produce HF tensors on export (a tied output layer repeats the embedding)."""
+    maps = weight_mappings(spec, tp)
+    return maps[:-1] if spec.tie_embeddings else maps
+
+
+# --- export: canonical full tensor -> HF tensors --------------------------------------------------
+
+
+def to_hf(mapping: WeightMapping, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Split a canonical full tensor into its HF tensors (padding rows dropped)."""
+    parts: dict[str, list[torch.Tensor]] = {}
+    row = 0
+    for piece in mapping.pieces:
+        if piece.hf_name is not None:
+            parts.setdefault(piece.hf_name, []).append(full.narrow(0, row, piece.rows))
+        row += piece.rows
+    return [(name, torch.cat(chunks, 0) if len(chunks) > 1 else chunks[0].clone()) for name, chunks in parts.items()]
+
+
+# --- loading: HF rows -> this rank's shard -----------------------------------------------------------
+
+
+def shard_row_ranges(mapping: WeightMapping, tp_rank: int, tp_size: int) -> list[tuple[int, int]]:
+    """Canonical row ranges [start, end) that form this rank's shard along dim 0, in order."""
+    n = mapping.shape[0]
+    if mapping.tp_dim != 0 or tp_size == 1:
+        return [(0, n)]
+    block = n // mapping.tp_sub_chunks
+    per_rank = block // tp_size
+    return [(j * block + tp_rank * per_rank, j * block + (tp_rank + 1) * per_rank) for j in range(mapping.tp_sub_chunks)]
+
+
+ReadSlice = Callable[[str, slice, slice | None], torch.Tensor]
+
+
+def read_shard(mapping: WeightMapping, tp_rank: int, tp_size: int, read: ReadSlice, dtype: torch.dtype) -> torch.Tensor:
+    """Assemble this rank's shard from HF tensors, reading only the rows/columns it needs.
+
+    `read(hf_name, rows, cols)` returns that slice of an HF tensor (cols None = all columns).
+    """
+    cols = None
+    if mapping.tp_dim == 1 and tp_size > 1:
+        width = mapping.shape[1] // tp_size
+        cols = slice(tp_rank * width, (tp_rank + 1) * width)
+    chunks = []
+    starts, row = [], 0
+    for piece in mapping.pieces:
+        starts.append(row)
+        row += piece.rows
+    for lo, hi in shard_row_ranges(mapping, tp_rank, tp_size):
+        for piece, start in zip(mapping.pieces, starts):
+            a, b = max(lo, start), min(hi, start + piece.rows)
+            if a >= b:
+                continue
+            if piece.hf_name is None:
+                shape = (b - a,) + tuple(mapping.shape[1:])
+                if cols is not None:
+                    shape = (b - a, cols.stop - cols.start) + tuple(mapping.shape[2:])
+                chunks.append(torch.zeros(shape, dtype=dtype))
+            else:
+                hf_rows = slice(piece.hf_row_start + a - start, piece.hf_row_start + b - start)
+                chunks.append(read(piece.hf_name, hf_rows, cols).to(dtype))
+    return torch.cat(chunks, 0) if len(chunks) > 1 else chunks[0]
+
+
+def iter_hf_tensors(mappings: list[WeightMapping], fulls: Iterator[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    for mapping, full in zip(mappings, fulls):
+        yield from to_hf(mapping, full)

@@ -1,0 +1,234 @@
+"""Weights in and out of a sharded Megatron-Core model.
+
+- `load_hf_weights`: each rank reads only the slices of the safetensors files that its own shard
+  needs (safetensors `get_slice`), never the full model.
+- `export_hf`: a stream of `(hf_name, full tensor)`, one tensor at a time, identical on every rank:
+  TP shards are all-gathered inside the owning stage, then broadcast from that stage. Used for HF
+  checkpoints and rollout-engine weight loading.
+- `local_weight_shards`: this rank's parameters under global names with their `ShardMeta`, the
+  input of the 3D-HybridEngine.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megarl.models.convert import WeightMapping, exported_mappings, read_shard, to_hf, weight_mappings
+from megarl.models.families import ModelSpec
+from megarl.models.sharding import ShardMeta
+from megarl.parallel import ParallelDims
+
+# Transformer-Engine layer specs fuse the norms into the following linear layer.
+_TE_TO_LOCAL = (
+    (re.compile(r"self_attention\.linear_qkv\.layer_norm_weight$"), "input_layernorm.weight"),
+    (re.compile(r"mlp\.linear_fc1\.layer_norm_weight$"), "pre_mlp_layernorm.weight"),
+)
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _layer_offset(model) -> int:
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return get_transformer_layer_offset(model.config, getattr(model, "vp_stage", None))
+
+
+def global_name(local: str, layer_offset: int, expert_offset: int) -> str:
+    """Local parameter name (per stage / per EP rank, local or TE spec) -> global canonical name."""
+    name = local
+    for pattern, replacement in _TE_TO_LOCAL:
+        if pattern.search(name):
+            layer = _LAYER.match(name).group(0)
+            name = layer + replacement
+    match = _LAYER.match(name)
+    if match:
+        name = f"decoder.layers.{int(match.group(1)) + layer_offset}." + name[match.end():]
+    match = _EXPERT.search(name)
+    if match:
+        name = name[: match.start()] + f".mlp.experts.local_experts.{int(match.group(1)) + expert_offset}." + name[match.end():]
+    return name
+
+
+def named_global_parameters(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDims) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
+    """(global name, local name, parameter) for every parameter of this rank's model chunk."""
+    model = unwrap(model)
+    offset = _layer_offset(model)
+    experts_per_rank = (spec.num_experts // dims.ep) if spec.is_moe else 0
+    for local, param in model.named_parameters():
+        yield global_name(local, offset, dims.ep_rank * experts_per_rank), local, param
+
+
+def _tp_coords(mapping: WeightMapping, dims: ParallelDims) -> tuple[int, int]:
+    if mapping.expert is not None:
+        return dims.etp_rank, dims.expert_tp
+    return dims.tp_rank, dims.tp
+
+
+def local_weight_shards(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDims) -> dict[str, tuple[torch.Tensor, ShardMeta]]:
+    """This rank's weights under global names, each with how it relates to the full tensor."""
+    mappings = {m.name: m for m in weight_mappings(spec, dims.tp)}
+    out = {}
+    for name, _, param in named_global_parameters(model, spec, dims):
+        if name not in mappings:  # e.g. a critic's value head
+            continue
+        mapping = mappings[name]
+        out[name] = (param.data, mapping.meta(*_tp_coords(mapping, dims)))
+    return out
+
+
+# --- loading -------------------------------------------------------------------------------------------
+
+
+class SafetensorsDir:
+    """Lazy, slice-level access to the safetensors files of an HF model directory."""
+
+    def __init__(self, model_dir: str | Path):
+        from safetensors import safe_open
+
+        self.dir = Path(model_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (self.dir / "model.safetensors").is_file():
+            with safe_open(self.dir / "model.safetensors", "pt") as f:
+                weight_map = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise FileNotFoundError(f"{self.dir} has no model.safetensors or model.safetensors.index.json")
+        self.weight_map = weight_map
+        self._open = {}
+        self._safe_open = safe_open
+
+    def _file(self, name: str):
+        if name not in self.weight_map:
+            raise KeyError(f"{self.dir} has no tensor named {name!r}; the checkpoint does not match its config.json")
+        fname = self.weight_map[name]
+        if fname not in self._open:
+            self._open[fname] = self._safe_open(self.dir / fname, "pt")
+        return self._open[fname]
+
+    def read(self, name: str, rows: slice, cols: slice | None = None) -> torch.Tensor:
+        view = self._file(name).get_slice(name)
+        return view[rows] if cols is None else view[rows, cols]
+
+    def full(self, name: str) -> torch.Tensor:
+        return self._file(name).get_tensor(name)
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDims, model_dir: str | Path) -> int:
+    """Fill this rank's parameters from an HF checkpoint; returns the bytes this rank read."""
+    source = SafetensorsDir(model_dir)
+    mappings = {m.name: m for m in weight_mappings(spec, dims.tp)}
+    bytes_read = 0
+    for name, local, param in named_global_parameters(model, spec, dims):
+        if name not in mappings:
+            continue
+        mapping = mappings[name]
+        shard = read_shard(mapping, *_tp_coords(mapping, dims), source.read, param.dtype)
+        if shard.shape != param.shape:
+            raise ValueError(f"{local}: checkpoint shard has shape {tuple(shard.shape)}, the model expects {tuple(param.shape)}")
+        param.copy_(shard)
+        bytes_read += shard.numel() * shard.element_size()
+    return bytes_read
+
+
+# --- export ----------------------------------------------------------------------------------------------
+
+
+def _owner_stage(mapping: WeightMapping, spec: ModelSpec, dims: ParallelDims) -> int:
+    if mapping.layer is not None:
+        return mapping.layer // (spec.num_layers // dims.pp)
+    return 0 if mapping.name.startswith("embedding.") else dims.pp - 1
+
+
+def _owner_ep(mapping: WeightMapping, spec: ModelSpec, dims: ParallelDims) -> int:
+    return 0 if mapping.expert is None else mapping.expert // (spec.num_experts // dims.ep)
+
+
+@torch.no_grad()
+def export_canonical(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDims, mappings: list[WeightMapping] | None = None) -> Iterator[tuple[WeightMapping, torch.Tensor]]:
+    """Full canonical tensors, one at a time, identical on every rank (collective: all ranks iterate)."""
+    if dims.vpp is not None:
+        raise NotImplementedError("export with virtual pipeline stages is not supported yet")
+    mappings = mappings if mappings is not None else exported_mappings(spec, dims.tp)
+    local = {name: param for name, _, param in named_global_parameters(model, spec, dims)}
+    coords = dims.all_coordinates()
+    dtype = next(unwrap(model).parameters()).dtype
+    device = next(unwrap(model).parameters()).device
+    for mapping in mappings:
+        stage, ep_owner = _owner_stage(mapping, spec, dims), _owner_ep(mapping, spec, dims)
+        is_expert = mapping.expert is not None
+        owners = [c for c in coords if c["pp"] == stage and (not is_expert or c["ep"] == ep_owner)]
+        src = min(c["rank"] for c in owners if (c["etp"] if is_expert else c["tp"]) == 0)
+        if dims.pp_rank == stage and (not is_expert or dims.ep_rank == ep_owner):
+            shard = local[mapping.name]
+            tp_rank, tp_size = _tp_coords(mapping, dims)
+            if mapping.tp_dim is not None and tp_size > 1:
+                group = dims.etp_group if is_expert else dims.tp_group
+                shards = [torch.empty_like(shard) for _ in range(tp_size)]
+                dist.all_gather(shards, shard.contiguous(), group=group)
+                full = mapping.meta(tp_rank, tp_size).full_from_shards(shards)
+            else:
+                full = shard.detach().clone()
+        else:
+            full = torch.empty(mapping.shape, dtype=dtype, device=device)
+        if dims.world_size > 1:
+            dist.broadcast(full, src=src)
+        yield mapping, full
+
+
+def export_hf(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDims) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every weight of the HF checkpoint, streamed, on every rank."""
+    for mapping, full in export_canonical(model, spec, dims):
+        yield from to_hf(mapping, full)
+
+
+def save_hf_checkpoint(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDims, out_dir: str | Path, source_dir: str | Path, max_shard_bytes: int = 2 << 30) -> None:
+    """Write an HF model directory (safetensors shards + config + tokenizer) from rank 0."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    write = dims.rank == 0
+    if write:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes, total_bytes, files, weight_map = 0, 0, [], {}
+
+    def flush():
+        nonlocal shard, shard_bytes
+        if shard:
+            fname = f"model-{len(files) + 1:05d}.safetensors"
+            save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+            files.append(fname)
+            weight_map.update({k: fname for k in shard})
+        shard, shard_bytes = {}, 0
+
+    for name, tensor in export_hf(model, spec, dims):
+        if not write:
+            continue
+        shard[name] = tensor.cpu().contiguous()
+        shard_bytes += tensor.numel() * tensor.element_size()
+        total_bytes += tensor.numel() * tensor.element_size()
+        if shard_bytes >= max_shard_bytes:
+            flush()
+    if write:
+        flush()
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        source_dir = Path(source_dir)
+        for path in source_dir.iterdir():
+            if path.is_file() and not path.name.startswith("model") and path.suffix in (".json", ".txt", ".model", ".jinja"):
+                shutil.copy2(path, out_dir / path.name)

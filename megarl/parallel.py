@@ -1,0 +1,216 @@
+"""ParallelDims: the one place that knows tp / pp / dp / cp / ep and owns the process groups.
+
+Megatron-Core's global parallel state is initialised here, once, and the rest of megarl asks this
+object for its groups and ranks. Rank order is Megatron's default "tp-cp-ep-dp-pp": tensor-parallel
+ranks are consecutive, pipeline stages are the slowest-moving coordinate.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ParallelDims:
+    """Parallel degrees of one training job. `dp` is derived: world_size / (tp * pp * cp).
+
+    tp: tensor parallel; pp: pipeline parallel; cp: context parallel; ep: expert parallel (MoE);
+    etp: expert tensor parallel (None = same as tp, Megatron's default); vpp: virtual pipeline
+    stages per rank (None = no interleaving).
+    """
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    vpp: int | None = None
+    _initialized: bool = field(default=False, repr=False)
+
+    def __post_init__(self):
+        self.validate()
+
+    # --- arithmetic ------------------------------------------------------------------------------
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.model_parallel_size
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    def validate(self) -> None:
+        for name in ("world_size", "tp", "pp", "cp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
+        if self.etp is not None and self.etp < 1:
+            raise ValueError(f"parallel.etp must be a positive integer or unset, got {self.etp!r}")
+        mp = self.model_parallel_size
+        if self.world_size % mp:
+            raise ValueError(
+                f"world size {self.world_size} is not divisible by tp*pp*cp = "
+                f"{self.tp}*{self.pp}*{self.cp} = {mp}; launch a multiple of {mp} processes "
+                f"or change parallel.tp / parallel.pp"
+            )
+        # Experts are laid out over etp x ep x expert-dp inside each pipeline stage.
+        per_stage = self.world_size // self.pp
+        expert_mp = self.expert_tp * self.ep
+        if per_stage % expert_mp:
+            raise ValueError(
+                f"world size {self.world_size} / pp {self.pp} = {per_stage} ranks per pipeline stage "
+                f"is not divisible by etp*ep = {self.expert_tp}*{self.ep} = {expert_mp}"
+            )
+        if self.vpp is not None and (self.vpp < 1 or self.pp == 1):
+            raise ValueError(f"parallel.vpp={self.vpp} needs parallel.pp > 1 and vpp >= 1")
+
+    def describe(self) -> str:
+        ep = f" ep={self.ep} etp={self.expert_tp}" if self.ep > 1 or self.etp else ""
+        return f"world={self.world_size} tp={self.tp} pp={self.pp} cp={self.cp} dp={self.dp}{ep}"
+
+    # --- process groups --------------------------------------------------------------------------
+    def initialize(self, backend: str | None = None, timeout_minutes: int = 30, seed: int = 1234) -> "ParallelDims":
+        """Start torch.distributed (if needed), build Megatron's process groups and RNG states."""
+        from megatron.core import parallel_state, tensor_parallel
+
+        from megarl.platform import init_platform
+
+        platform = init_platform()
+        backend = backend or platform.backend
+        if not dist.is_initialized():
+            if "RANK" not in os.environ:  # plain `python script.py`: a world of one
+                os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+                os.environ.setdefault("MASTER_PORT", str(_free_port()))
+                os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+            dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(
+                f"ParallelDims was built for world size {self.world_size} but torch.distributed has "
+                f"{dist.get_world_size()} processes"
+            )
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.vpp,
+            context_parallel_size=self.cp,
+            expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.etp,
+            distributed_timeout_minutes=timeout_minutes,
+        )
+        # Megatron's named RNG states (per TP rank, per EP rank); weights come from checkpoints and
+        # dropout is off, so these only matter for optional random init.
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        self._initialized = True
+        return self
+
+    def _state(self):
+        if not self._initialized:
+            raise RuntimeError("ParallelDims.initialize() must be called before asking for groups")
+        from megatron.core import parallel_state
+
+        return parallel_state
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def tp_rank(self) -> int:
+        return self._state().get_tensor_model_parallel_rank()
+
+    @property
+    def pp_rank(self) -> int:
+        return self._state().get_pipeline_model_parallel_rank()
+
+    @property
+    def dp_rank(self) -> int:
+        return self._state().get_data_parallel_rank()
+
+    @property
+    def ep_rank(self) -> int:
+        return self._state().get_expert_model_parallel_rank()
+
+    @property
+    def etp_rank(self) -> int:
+        return self._state().get_expert_tensor_parallel_rank()
+
+    @property
+    def tp_group(self):
+        return self._state().get_tensor_model_parallel_group()
+
+    @property
+    def pp_group(self):
+        return self._state().get_pipeline_model_parallel_group()
+
+    @property
+    def dp_group(self):
+        return self._state().get_data_parallel_group()
+
+    @property
+    def dp_cp_group(self):
+        return self._state().get_data_parallel_group(with_context_parallel=True)
+
+    @property
+    def ep_group(self):
+        return self._state().get_expert_model_parallel_group()
+
+    @property
+    def etp_group(self):
+        return self._state().get_expert_tensor_parallel_group()
+
+    @property
+    def mp_group(self):
+        return self._state().get_model_parallel_group()
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def pp_stage_ranks(self) -> list[int]:
+        """Global ranks of this rank's pipeline group, stage 0 first."""
+        return dist.get_process_group_ranks(self.pp_group)
+
+    def coordinates(self) -> dict[str, int]:
+        return dict(rank=self.rank, tp=self.tp_rank, pp=self.pp_rank, dp=self.dp_rank, ep=self.ep_rank, etp=self.etp_rank)
+
+    def all_coordinates(self) -> list[dict[str, int]]:
+        """Every rank's coordinates, indexed by global rank (one all_gather_object on the world)."""
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, self.coordinates())
+        return out
+
+    def destroy(self) -> None:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        self._initialized = False
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dims_from_env(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int | None = None, vpp: int | None = None) -> ParallelDims:
+    """ParallelDims for the world torchrun started (WORLD_SIZE), or a world of one."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return ParallelDims(world_size=world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vpp=vpp)

@@ -1,0 +1,322 @@
+"""Megatron-Core on CPU with gloo: the nine seams of Megatron-Core 0.16 that assume CUDA.
+
+Applied only when no GPU is present (see `megarl.platform.init_platform`); on GPU nothing here
+runs. Each seam is one function below, named after what it covers, so a test can check it on its
+own and a newer Megatron-Core release can be audited seam by seam. The layer is pinned to the
+Megatron-Core versions it was tested with: anything else is refused with a clear message, because a
+silently missed seam shows up much later as a wrong gradient or a hang.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+# Versions whose seams were audited. Widen only after running tests/platform on the new release.
+SUPPORTED_MCORE_VERSIONS = ("0.16.0", "0.16.1")
+
+_APPLIED = False
+
+
+class UnsupportedMegatronVersion(RuntimeError):
+    pass
+
+
+def check_megatron_version(version: str | None = None) -> str:
+    """Refuse a Megatron-Core release outside the audited range (the CPU layer patches its internals)."""
+    if version is None:
+        import megatron.core
+
+        version = megatron.core.__version__
+    if version not in SUPPORTED_MCORE_VERSIONS:
+        raise UnsupportedMegatronVersion(
+            f"megatron-core {version} is installed, but megarl's CPU layer was tested with "
+            f"{', '.join(SUPPORTED_MCORE_VERSIONS)} only. Install a tested release: "
+            f"pip install 'megatron-core=={SUPPORTED_MCORE_VERSIONS[-1]}'"
+        )
+    return version
+
+
+# --- seam 1 + 2: CUDA device placement -----------------------------------------------------------
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # Megatron passes torch.cuda.current_device() (an int) as a device in many places.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites `device=` arguments that name CUDA into the CPU device (seam 2).
+
+    Megatron allocates with literal device='cuda' in the optimizer, grad scaler, clip_grads, the
+    pipeline schedules and tensor_parallel/data.py. A function mode catches all of them without
+    patching each call site.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and _is_cuda_device(device):
+            kwargs = dict(kwargs, device="cpu")
+        elif func is torch.Tensor.to and args and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+_CUDA_TO_CPU_MODE: CudaToCpuMode | None = None
+
+
+def patch_current_device() -> None:
+    """Seam 1: `torch.cuda.current_device()` is used as an allocation device -> the CPU device."""
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    # `Tensor.cuda()` becomes identity: tensors already live where compute happens.
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[assignment]
+
+
+def enter_cuda_to_cpu_mode() -> None:
+    """Seam 2: literal device='cuda' allocations -> CPU, for the rest of the process."""
+    global _CUDA_TO_CPU_MODE
+    if _CUDA_TO_CPU_MODE is None:
+        _CUDA_TO_CPU_MODE = CudaToCpuMode()
+        _CUDA_TO_CPU_MODE.__enter__()
+
+
+# --- seam 3: the RNG tracker -----------------------------------------------------------------------
+
+
+class CpuRNGStatesTracker:
+    """Megatron's named RNG states (model-parallel, expert-parallel, data-parallel) on the CPU generator.
+
+    Same interface as `tensor_parallel.random.CudaRNGStatesTracker`: `add(name, seed)` creates a
+    state, `fork(name)` runs a block under it and keeps its advanced state for next time.
+    """
+
+    def __init__(self, *args, **kwargs):
+        self.use_cudagraphable_rng = False
+        self.is_inference_rng_tracker = False
+        self.reset()
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def reset(self):
+        self._is_initialized = False
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = dict(states)
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+def install_cpu_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # model_parallel_cuda_manual_seed calls torch.cuda.manual_seed (a no-op without CUDA) and
+    # rebuilds the tracker only when asked to; keep it ours when it does.
+    mcore_random.CudaRNGStatesTracker = CpuRNGStatesTracker
+
+
+# --- seam 4: streams and events ----------------------------------------------------------------------
+
+
+class _NullStream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        return _NullEvent()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def __eq__(self, other):
+        return isinstance(other, _NullStream)
+
+    def __hash__(self):
+        return 0
+
+
+class _NullEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
+_NULL_STREAM = _NullStream()
+
+
+def install_null_streams() -> None:
+    """Seam 4: CUDA streams/events -> no-op stand-ins (the MoE dispatcher creates a stream at init)."""
+    torch.cuda.Stream = _NullStream  # type: ignore[assignment,misc]
+    torch.cuda.Event = _NullEvent  # type: ignore[assignment,misc]
+    torch.cuda.current_stream = lambda device=None: _NULL_STREAM  # type: ignore[assignment]
+    torch.cuda.default_stream = lambda device=None: _NULL_STREAM  # type: ignore[assignment]
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+    torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[assignment]
+
+
+# --- seam 5: te_general_gemm -------------------------------------------------------------------------
+
+
+def define_te_general_gemm() -> None:
+    """Seam 5: moe_utils refers to te_general_gemm, undefined without Transformer-Engine."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+# --- seam 6: gradient clipping -----------------------------------------------------------------------
+
+
+def clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """CPU version of `clip_grads.clip_grad_by_total_norm_fp32` (which asserts torch.cuda.FloatTensor).
+
+    Same rule: scale every gradient by max_norm / (total_norm + 1e-6) when that is below one.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr) for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for g in grads:
+            g.detach().mul_(clip_coeff)
+
+
+def install_cpu_grad_clip() -> None:
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_cpu
+    # optimizer.py imported the name directly; replace it there too.
+    mcore_optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_cpu
+
+
+# --- seam 7: MoE token dispatcher ---------------------------------------------------------------------
+
+CPU_MOE_TOKEN_DISPATCHER = "allgather"
+
+
+def cpu_moe_token_dispatcher(requested: str) -> str:
+    """Seam 7: gloo rejects the alltoall dispatcher's split sizes; the allgather dispatcher works."""
+    return CPU_MOE_TOKEN_DISPATCHER if requested == "alltoall" else requested
+
+
+# --- seam 8: finalize_model_grads --------------------------------------------------------------------
+
+
+def require_finalize_model_grads(config) -> None:
+    """Seam 8: without `finalize_model_grads_func` on the config, DP gradients are never reduced."""
+    if getattr(config, "finalize_model_grads_func", None) is None:
+        from megatron.core.distributed import finalize_model_grads
+
+        config.finalize_model_grads_func = finalize_model_grads
+
+
+# --- seam 9: tensor type names in the optimizers -----------------------------------------------------
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+_ORIGINAL_TENSOR_TYPE = torch.Tensor.type
+
+
+def _tensor_type_with_cuda_names(self, *args, **kwargs):
+    # Only the no-argument query form is changed: the optimizers compare it with CUDA type names.
+    # `t.type(dtype)` conversions are untouched.
+    if not args and not kwargs and self.device.type == "cpu" and self.dtype in _CUDA_TYPE_NAMES:
+        return _CUDA_TYPE_NAMES[self.dtype]
+    return _ORIGINAL_TENSOR_TYPE(self, *args, **kwargs)
+
+
+def answer_cuda_type_names() -> None:
+    """Seam 9: the (distributed) optimizer checks param.type() against 'torch.cuda.FloatTensor' etc."""
+    torch.Tensor.type = _tensor_type_with_cuda_names  # type: ignore[assignment]
+
+
+SEAMS = (
+    patch_current_device,
+    enter_cuda_to_cpu_mode,
+    install_cpu_rng_tracker,
+    install_null_streams,
+    define_te_general_gemm,
+    install_cpu_grad_clip,
+    # seam 7 (token dispatcher) and seam 8 (finalize_model_grads) are applied where the
+    # TransformerConfig is built: megarl.models.builder calls cpu_moe_token_dispatcher and
+    # require_finalize_model_grads.
+    answer_cuda_type_names,
+)
+
+
+def apply() -> None:
+    """Apply every process-wide seam once. Only call this when no GPU is used."""
+    global _APPLIED
+    if _APPLIED:
+        return
+    check_megatron_version()
+    for seam in SEAMS:
+        seam()
+    _APPLIED = True
+
+
+def is_applied() -> bool:
+    return _APPLIED
+
+
+__all__ = ["apply", "is_applied", "check_megatron_version", "UnsupportedMegatronVersion"]

@@ -1,0 +1,112 @@
+"""Per-token log-probs of token sequences under a Megatron-Core model loaded from an HF directory.
+
+    torchrun --nproc_per_node N -m megarl.tools.logprobs --model DIR --tp T --pp P [--ep E] \
+        --input in.jsonl --output out.jsonl [--dtype float32|bfloat16]
+
+Each input line is {"input_ids": [...]}; each output line is {"logprobs": [...]} with
+len(input_ids) - 1 values, value i being log p(input_ids[i+1] | input_ids[:i+1]). Use it to debug
+train / inference mismatches: run it under the training layout and compare with the rollout engine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def read_jsonl_ids(path: str) -> list[list[int]]:
+    sequences = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                ids = json.loads(line)["input_ids"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"{path}:{n}: expected a JSON object with an 'input_ids' list") from None
+            if len(ids) < 2:
+                raise ValueError(f"{path}:{n}: input_ids needs at least 2 tokens to have a log-prob")
+            sequences.append([int(t) for t in ids])
+    return sequences
+
+
+def sequence_logprobs(model, spec, dims, sequences: list[list[int]], micro_batch_size: int = 4, length: int | None = None, num_micro_batches: int | None = None) -> list[list[float]]:
+    """Log-probs of each sequence (this rank computes all of them; callers split over DP).
+
+    `length` and `num_micro_batches` must be equal on every rank of an expert-parallel group: MoE
+    layers exchange tokens across it, so every replica runs the same shapes.
+    """
+    from megarl.engine.forward import pad_right, pipeline_forward
+    from megarl.models.vocab_parallel import vocab_parallel_logprobs
+
+    n = len(sequences)
+    length = length or max(len(s) for s in sequences)
+    num_micro_batches = num_micro_batches or -(-n // micro_batch_size)
+    ids, _ = pad_right(sequences, pad_id=0, length=length) if sequences else (torch.zeros(0, length, dtype=torch.long), None)
+    pad_rows = num_micro_batches * micro_batch_size - n  # the pipeline needs equal micro-batches
+    ids = torch.cat([ids, torch.zeros(pad_rows, ids.shape[1], dtype=ids.dtype)])
+    device = next(model.parameters()).device
+    micro_batches = [{"input_ids": ids[i : i + micro_batch_size].to(device)} for i in range(0, len(ids), micro_batch_size)]
+
+    def compute(logits, mb):
+        lp = vocab_parallel_logprobs(logits[:, :-1].float(), mb["input_ids"][:, 1:], dims.tp_group if dims.tp > 1 else None, true_vocab_size=spec.vocab_size)
+        return {"logprobs": lp}
+
+    outputs = pipeline_forward(model, dims, micro_batches, compute)
+    all_lp = torch.cat([o["logprobs"] for o in outputs])[:n].cpu()
+    return [all_lp[i, : len(s) - 1].tolist() for i, s in enumerate(sequences)]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="per-token log-probs under a Megatron-Core model")
+    p.add_argument("--model", required=True)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--input", required=True)
+    p.add_argument("--output", required=True)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    args = p.parse_args(argv)
+
+    from megarl.models import load_model
+    from megarl.parallel import dims_from_env
+
+    try:
+        sequences = read_jsonl_ids(args.input)
+        dims = dims_from_env(tp=args.tp, pp=args.pp, ep=args.ep)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    dims.initialize()
+    model, spec = load_model(args.model, dims, dtype=args.dtype)
+    model.eval()
+    # Data parallel: replica r handles sequences r, r + dp, ...; results meet on every rank.
+    mine = list(range(dims.dp_rank, len(sequences), dims.dp))
+    per_replica = -(-len(sequences) // dims.dp)
+    lps = sequence_logprobs(
+        model, spec, dims, [sequences[i] for i in mine], args.micro_batch_size,
+        length=max(len(s) for s in sequences), num_micro_batches=-(-per_replica // args.micro_batch_size),
+    )
+    gathered: list = [None] * dims.world_size
+    dist.all_gather_object(gathered, dict(zip(mine, lps)))
+    if dims.rank == 0:
+        merged = {}
+        for part in gathered:
+            merged.update(part)
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.output, "w") as f:
+            for i in range(len(sequences)):
+                f.write(json.dumps({"logprobs": merged[i]}) + "\n")
+    dist.barrier()
+    dims.destroy()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

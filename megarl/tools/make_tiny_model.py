@@ -1,0 +1,163 @@
+"""Write a tiny random-initialised Hugging Face model directory (config, weights, tokenizer).
+
+    python -m megarl.tools.make_tiny_model --arch qwen2 --out /tmp/tiny-qwen2 [--seed 0]
+
+Tests and the CPU demo build every model they use with this tool: nothing is downloaded from a
+model hub. The result loads with `transformers.AutoModelForCausalLM` and `AutoTokenizer`.
+
+Two tokenizers: `bpe` is a small byte-level BPE trained on a built-in corpus (any text encodes);
+`digits` has one token per character of a small alphabet (digits and a few symbols) and suits the
+arithmetic demo task, where a tiny vocabulary makes learning from scratch fast.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+DIGITS_ALPHABET = list("0123456789+-*=;:?# ")
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+
+_BPE_CORPUS = """
+Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.
+How many clips did Natalia sell altogether in April and May? #### 72
+Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting.
+The quick brown fox jumps over the lazy dog. 0 1 2 3 4 5 6 7 8 9 + - * / = ( ) . , ? !
+Let's think step by step. The answer is 42. Question: Answer: Therefore the total is
+"""
+
+
+def build_tokenizer(kind: str, out: Path, bpe_vocab_size: int = 300):
+    """Create and save a tokenizer; returns the `PreTrainedTokenizerFast`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if kind == "digits":
+        vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + DIGITS_ALPHABET)}
+        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+        # Every character is its own token; decoding concatenates them back.
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+        tok.decoder = decoders.Fuse()
+    elif kind == "bpe":
+        tok = Tokenizer(models.BPE(unk_token=None))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=bpe_vocab_size,
+            special_tokens=SPECIAL_TOKENS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator([_BPE_CORPUS] * 4, trainer=trainer)
+    else:
+        raise ValueError(f"unknown tokenizer {kind!r}; choose 'bpe' or 'digits'")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>"
+    )
+    fast.save_pretrained(out)
+    return fast
+
+
+def build_config(arch: str, vocab_size: int, args: argparse.Namespace):
+    """A small `transformers` config of the given family."""
+    import transformers
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=args.max_positions,
+        tie_word_embeddings=args.tie,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if args.head_dim is not None:
+        common["head_dim"] = args.head_dim
+    if arch == "llama":
+        return transformers.LlamaConfig(**common)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common)  # q/k/v projections carry a bias
+    if arch == "qwen3":
+        common.setdefault("head_dim", 2 * args.hidden // args.heads)  # explicit, != hidden/heads
+        return transformers.Qwen3Config(**common)
+    if arch == "mixtral":
+        return transformers.MixtralConfig(**common, num_local_experts=args.experts, num_experts_per_tok=args.topk)
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **common,
+            num_experts=args.experts,
+            num_experts_per_tok=args.topk,
+            moe_intermediate_size=args.intermediate // 2,
+            norm_topk_prob=True,
+        )
+    raise ValueError(f"unknown --arch {arch!r}; supported: {', '.join(ARCHS)}")
+
+
+def make_tiny_model(arch: str, out: str | Path, seed: int = 0, **overrides) -> Path:
+    """Python entry point; keyword overrides match the CLI flags (hidden=, layers=, tokenizer=, ...)."""
+    args = _parser().parse_args(["--arch", arch, "--out", str(out), "--seed", str(seed)])
+    for key, value in overrides.items():
+        if not hasattr(args, key):
+            raise ValueError(f"make_tiny_model has no option {key!r}")
+        setattr(args, key, value)
+    return _make(args)
+
+
+def _make(args: argparse.Namespace) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(args.tokenizer, out, args.bpe_vocab_size)
+    vocab_size = args.vocab_size or len(tokenizer)
+    if vocab_size < len(tokenizer):
+        raise ValueError(f"--vocab-size {vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
+    config = build_config(args.arch, vocab_size, args)
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # initializer_range is tiny; bigger weights make parity tests meaningful
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, args.init_std)
+    model.save_pretrained(out)
+    (out / "megarl_tiny.json").write_text(json.dumps(vars(args), indent=1, default=str))
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", required=True, choices=ARCHS)
+    p.add_argument("--out", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", choices=("bpe", "digits"), default="bpe")
+    p.add_argument("--bpe-vocab-size", type=int, default=300)
+    p.add_argument("--vocab-size", type=int, default=None, help="model vocabulary (default: the tokenizer's size)")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--intermediate", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=None)
+    p.add_argument("--experts", type=int, default=4)
+    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--max-positions", type=int, default=512)
+    p.add_argument("--tie", action="store_true", help="tie input and output embeddings")
+    p.add_argument("--init-std", type=float, default=0.1)
+    return p
+
+
+def main(argv=None) -> None:
+    out = _make(_parser().parse_args(argv))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
