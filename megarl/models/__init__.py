@@ -14,7 +14,7 @@ def load_model(model_dir: str | Path, dims, dtype: str = "float32", critic: bool
     from megarl.models.weights import load_hf_weights
 
     spec = load_spec(model_dir)
-    model = build_gpt_model(spec, dims, dtype=parse_dtype(dtype))
+    model = build_gpt_model(spec, dims, dtype=parse_dtype(dtype), value_head=critic)
     if critic:
         from megarl.models.critic import attach_value_head
 

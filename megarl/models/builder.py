@@ -91,8 +91,10 @@ def build_transformer_config(spec: ModelSpec, dims: ParallelDims, dtype: torch.d
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
-        # Weights come from the checkpoint, so Megatron's random init would be wasted work.
-        perform_initialization=False,
+        # Weights come from the checkpoint, but Megatron's initialisers are also what tag TP-split
+        # parameters (`tensor_model_parallel`, `partition_dim`); without the tags the optimizer
+        # counts split weights as TP duplicates and the gradient norm comes out wrong.
+        perform_initialization=True,
         use_cpu_initialization=platform.is_cpu,
         # Every micro-batch of one schedule call is padded to one length (see engine), so pipeline
         # p2p shapes are fixed; the allgather MoE dispatcher (used on CPU) also requires this.
@@ -119,8 +121,12 @@ def layer_spec(spec: ModelSpec, use_te: bool | None = None):
     return get_gpt_layer_local_spec(num_experts=spec.num_experts, qk_layernorm=spec.qk_norm, normalization="RMSNorm")
 
 
-def build_gpt_model(spec: ModelSpec, dims: ParallelDims, config=None, dtype: torch.dtype = torch.float32, vp_stage: int | None = None):
-    """This rank's pipeline-stage chunk of the model, on the platform's device, weights uninitialised."""
+def build_gpt_model(spec: ModelSpec, dims: ParallelDims, config=None, dtype: torch.dtype = torch.float32, vp_stage: int | None = None, value_head: bool = False):
+    """This rank's pipeline-stage chunk of the model, on the platform's device, weights uninitialised.
+
+    value_head=True builds a critic backbone: the output layer is never tied to the embedding,
+    because `megarl.models.critic` replaces it by a scalar head.
+    """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
 
@@ -134,7 +140,7 @@ def build_gpt_model(spec: ModelSpec, dims: ParallelDims, config=None, dtype: tor
         pre_process=is_pp_first_stage(pp_group),
         post_process=is_pp_last_stage(pp_group),
         parallel_output=True,
-        share_embeddings_and_output_weights=spec.tie_embeddings,
+        share_embeddings_and_output_weights=spec.tie_embeddings and not value_head,
         position_embedding_type="rope",
         rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
         rope_scaling=spec.rope_scaling_factor is not None,

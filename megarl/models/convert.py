@@ -106,10 +106,11 @@ def weight_mappings(spec: ModelSpec, tp: int) -> list[WeightMapping]:
     return out
 
 
-def exported_mappings(spec: ModelSpec, tp: int) -> list[WeightMapping]:
-    """Mappings that produce HF tensors on export (a tied output layer repeats the embedding)."""
+def exported_mappings(spec: ModelSpec, tp: int, lm_head: bool = True) -> list[WeightMapping]:
+    """Mappings that produce HF tensors on export. A tied output layer repeats the embedding, and
+    a critic (`lm_head=False`) has a value head instead, so neither exports `lm_head.weight`."""
     maps = weight_mappings(spec, tp)
-    return maps[:-1] if spec.tie_embeddings else maps
+    return maps[:-1] if spec.tie_embeddings or not lm_head else maps
 
 
 # --- export: canonical full tensor -> HF tensors --------------------------------------------------

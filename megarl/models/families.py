@@ -89,6 +89,15 @@ def _dense_common(cfg: dict, family: str) -> dict:
     theta, factor = _rope(cfg)
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"{family}: hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+    # transformers applies a sliding window when Qwen's use_sliding_window is set or Mixtral's
+    # sliding_window is not null; Megatron's local attention has none, so log-probs would differ.
+    window = cfg.get("sliding_window") if family == "mixtral" or cfg.get("use_sliding_window") else None
+    if window is not None or any(t != "full_attention" for t in cfg.get("layer_types") or ()):
+        raise UnsupportedModelError(
+            f"{family}: sliding-window attention (sliding_window={window}, layer_types={cfg.get('layer_types')}) "
+            f"is not supported yet; if every sequence is shorter than the window, set "
+            f'"sliding_window": null and "use_sliding_window": false in config.json'
+        )
     return dict(
         family=family,
         architecture=(cfg.get("architectures") or [family])[0],

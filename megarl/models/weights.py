@@ -190,10 +190,31 @@ def export_canonical(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDims
         yield mapping, full
 
 
-def export_hf(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDims) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor) for every weight of the HF checkpoint, streamed, on every rank."""
-    for mapping, full in export_canonical(model, spec, dims):
+def export_hf(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDims, critic: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for every weight of the HF checkpoint, streamed, on every rank.
+
+    A critic exports its backbone plus the value head as `score.weight` / `score.bias` (the names
+    of HF's `*ForSequenceClassification` heads), which `megarl.models.critic` loads back.
+    """
+    for mapping, full in export_canonical(model, spec, dims, exported_mappings(spec, dims.tp, lm_head=not critic)):
         yield from to_hf(mapping, full)
+    if critic:
+        yield from _value_head(model, dims)
+
+
+def _value_head(model: torch.nn.Module, dims: ParallelDims) -> Iterator[tuple[str, torch.Tensor]]:
+    model = unwrap(model)
+    param = next(model.parameters())
+    for name in ("weight", "bias"):
+        if dims.is_last_stage:
+            t = getattr(model.output_layer.value, name).detach().clone()
+        else:
+            shape = (1, model.config.hidden_size) if name == "weight" else (1,)
+            t = torch.empty(shape, dtype=param.dtype, device=param.device)
+        if dims.world_size > 1:
+            src = dims.all_coordinates()  # cheap at export time; picks the last stage's rank
+            dist.broadcast(t, src=min(c["rank"] for c in src if c["pp"] == dims.pp - 1))
+        yield f"score.{name}", t
 
 
 def save_hf_checkpoint(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDims, out_dir: str | Path, source_dir: str | Path, max_shard_bytes: int = 2 << 30) -> None:

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 
-def read_jsonl_ids(path: str) -> list[list[int]]:
+def read_jsonl_ids(path: str, vocab_size: int | None = None) -> list[list[int]]:
+    """Token-id lists of a JSONL file of {"input_ids": [...]}; errors name file:line."""
     sequences = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
@@ -27,10 +28,20 @@ def read_jsonl_ids(path: str) -> list[list[int]]:
             try:
                 ids = json.loads(line)["input_ids"]
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise ValueError(f"{path}:{n}: expected a JSON object with an 'input_ids' list") from None
+                ids = None
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError(f"{path}:{n}: expected a JSON object with an 'input_ids' list of integers")
             if len(ids) < 2:
                 raise ValueError(f"{path}:{n}: input_ids needs at least 2 tokens to have a log-prob")
-            sequences.append([int(t) for t in ids])
+            # An id past the vocabulary either fails inside the embedding or, with TP padding, reads a
+            # padding row and yields a meaningless log-prob.
+            bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+            if bad:
+                where = "negative" if vocab_size is None else f"outside the vocabulary [0, {vocab_size})"
+                raise ValueError(f"{path}:{n}: token id {bad[0]} is {where}")
+            sequences.append(ids)
+    if not sequences:
+        raise ValueError(f"{path} holds no input_ids lines")
     return sequences
 
 
@@ -74,10 +85,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from megarl.models import load_model
+    from megarl.models.families import load_spec
     from megarl.parallel import dims_from_env
 
     try:
-        sequences = read_jsonl_ids(args.input)
+        spec = load_spec(args.model)  # UnsupportedModelError is a ValueError
+        sequences = read_jsonl_ids(args.input, spec.vocab_size)
         dims = dims_from_env(tp=args.tp, pp=args.pp, ep=args.ep)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -123,10 +123,13 @@ def _make(args: argparse.Namespace) -> Path:
     config = build_config(args.arch, vocab_size, args)
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # initializer_range is tiny; bigger weights make parity tests meaningful
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, args.init_std)
+    with torch.no_grad():
+        # transformers' init (std 0.02, zero biases, unit norms) would let a converter that drops
+        # a bias or a norm weight pass parity tests; every tensor gets its own random values.
+        for name, p in model.named_parameters():
+            p.normal_(0.0, args.init_std)
+            if "norm" in name:
+                p.add_(1.0)
     model.save_pretrained(out)
     (out / "megarl_tiny.json").write_text(json.dumps(vars(args), indent=1, default=str))
     return out

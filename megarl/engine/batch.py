@@ -1,0 +1,45 @@
+"""The unit of data the engines work on: this DP rank's sequences plus per-response-token fields.
+
+Sequence i is `input_ids[i]` = prompt + response. Response token j of sequence i sits at position
+`prompt_lens[i] + j`; the model output that predicts it (its log-prob, the value of the state
+before it) sits at position `prompt_lens[i] + j - 1`. Per-token tensors are `[n, response_len]`
+with `response_len` the same on every rank (the global max response length), left-aligned.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SequenceBatch:
+    input_ids: list[list[int]]
+    prompt_lens: list[int]
+    global_index: list[int]  # position in the global batch: defines shuffling, so layouts agree
+    response_len: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # each [n, response_len]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def response_mask(self) -> torch.Tensor:
+        return self.tensors["response_mask"]
+
+    def select(self, rows: list[int]) -> "SequenceBatch":
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        return SequenceBatch(
+            [self.input_ids[r] for r in rows],
+            [self.prompt_lens[r] for r in rows],
+            [self.global_index[r] for r in rows],
+            self.response_len,
+            {k: v.index_select(0, idx) for k, v in self.tensors.items()},
+        )
+
+
+def response_positions(prompt_lens: torch.Tensor, response_len: int, seq_len: int) -> torch.Tensor:
+    """[n, response_len] indices into per-position outputs over positions 0..seq_len-2 (output at
+    position t predicts token t+1), for the response tokens; clamped for padded slots."""
+    j = torch.arange(response_len).unsqueeze(0)
+    return (prompt_lens.unsqueeze(1) - 1 + j).clamp(0, seq_len - 2)

@@ -1,0 +1,472 @@
+"""MegatronEngine: one role's model, DDP wrapper, distributed optimizer and pipeline schedules.
+
+The actor (policy loss), critic (value loss) and reference (forward only) are all this class,
+configured differently; the trainer composes them. Loss normalisation is global: the loss function
+receives the totals of the whole mini-batch (all micro-batches, all DP ranks) and returns its
+micro-batch's *contribution*, so summing gradients over micro-batches and DP ranks gives exactly
+the gradient of the one-batch loss, whatever the split (see `megarl.algorithms.agg_loss`).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megarl.engine.batch import SequenceBatch, response_positions
+from megarl.engine.forward import pad_right, pipeline_forward
+from megarl.models.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
+from megarl.parallel import ParallelDims
+
+
+# The distributed optimizer's one format that reshards across TP, PP *and* DP in Megatron-Core 0.16
+# (its "fully_sharded_model_space" default uses flattened ranges, which dist_checkpointing now
+# refuses). It gathers each DP group's optimizer state on the group's first rank while saving.
+_OPTIM_CKPT_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.01
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    warmup_steps: int = 0
+    schedule: str = "constant"  # constant | cosine
+    min_lr: float = 0.0
+    total_steps: int = 1000  # optimizer steps, for the cosine schedule
+
+
+@dataclass
+class EngineConfig:
+    dtype: str = "float32"
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    max_tokens_per_microbatch: int = 4096  # per DP rank; padded tokens count
+    param_offload: bool = False
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+    recompute: bool = False
+
+
+# loss_fn(outputs, micro_batch_tensors, totals) -> (loss contribution, {metric: value})
+#   outputs: {"logprobs"|"entropy"|"values": [b, response_len]}; micro_batch_tensors: the batch's
+#   per-token fields for these rows; totals: {"tokens", "seqs"} of the whole mini-batch.
+LossFn = Callable[[dict, dict, dict], tuple[torch.Tensor, dict[str, float]]]
+
+
+@dataclass
+class TrainStats:
+    grad_norms: list[float] = field(default_factory=list)
+    skipped_steps: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class MegatronEngine:
+    """One model role on this rank: `critic=True` for a value model, `trainable=False` for the reference."""
+
+    def __init__(self, model_dir: str, dims: ParallelDims, cfg: EngineConfig, *, critic: bool = False, trainable: bool = True, seed: int = 0):
+        from megarl.models import load_model
+
+        self.dims, self.cfg, self.critic, self.trainable, self.seed = dims, cfg, critic, trainable, seed
+        self.model, self.spec = load_model(model_dir, dims, dtype=cfg.dtype, critic=critic)
+        self.model_dir = model_dir
+        self.optimizer = self.scheduler = None
+        self.optimizer_steps = 0
+        if trainable:
+            self._wrap_for_training()
+        else:
+            for p in self.model.parameters():
+                p.requires_grad_(False)
+        self.module.eval()
+        self._offloaded: dict[str, bool] = {}
+
+    # --- setup -------------------------------------------------------------------------------------
+    def _wrap_for_training(self) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        o = self.cfg.optim
+        bf16 = self.cfg.dtype == "bfloat16"
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True, bucket_size=None
+        )
+        self.model = DistributedDataParallel(config=self.module.config, ddp_config=ddp_config, module=self.model)
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=o.lr,
+            min_lr=o.min_lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.betas[0],
+            adam_beta2=o.betas[1],
+            adam_eps=o.eps,
+            clip_grad=o.max_grad_norm,
+            bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            use_distributed_optimizer=True,  # ZeRO-1: optimizer state sharded over DP
+        )
+        self.optimizer = get_megatron_optimizer(opt_config, [self.model])
+        decay_steps = max(o.total_steps, o.warmup_steps + 1)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if o.warmup_steps else o.lr,
+            max_lr=o.lr,
+            min_lr=o.min_lr,
+            lr_warmup_steps=o.warmup_steps,
+            lr_decay_steps=decay_steps,
+            lr_decay_style=o.schedule,
+            start_wd=o.weight_decay,
+            end_wd=o.weight_decay,
+            wd_incr_steps=decay_steps,
+            wd_incr_style="constant",
+        )
+
+    @property
+    def module(self) -> torch.nn.Module:
+        from megarl.models.weights import unwrap
+
+        return unwrap(self.model)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"] if self.optimizer else 0.0
+
+    # --- micro-batching ------------------------------------------------------------------------------
+    def _plan_micro_batches(self, batch: SequenceBatch, rows: list[int]) -> tuple[int, int, int]:
+        """(seq_len, micro_batch_size, num_micro_batches), equal on every DP rank.
+
+        Shapes must agree across the DP group: pipeline stages exchange fixed shapes per call, and
+        MoE layers exchange tokens across the expert-parallel group, which spans DP ranks.
+        """
+        local_len = max((len(batch.input_ids[r]) for r in rows), default=2)
+        stats = torch.tensor([local_len, len(rows)], dtype=torch.long)
+        if self.dims.dp > 1:
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.dims.dp_group)
+        seq_len, max_rows = int(stats[0]), int(stats[1])
+        mbs = max(1, min(max_rows, self.cfg.max_tokens_per_microbatch // seq_len))
+        return seq_len, mbs, max(1, math.ceil(max_rows / mbs))
+
+    def _micro_batches(self, batch: SequenceBatch, rows: list[int], fields: tuple[str, ...] = ()) -> list[dict]:
+        seq_len, mbs, count = self._plan_micro_batches(batch, rows)
+        padded_rows = rows + [None] * (count * mbs - len(rows))  # None: an empty row, masked out
+        out = []
+        for k in range(count):
+            chunk = padded_rows[k * mbs : (k + 1) * mbs]
+            seqs = [batch.input_ids[r] if r is not None else [0, 0] for r in chunk]
+            ids, _ = pad_right(seqs, pad_id=0, length=seq_len)
+            prompt_lens = torch.tensor([batch.prompt_lens[r] if r is not None else 1 for r in chunk])
+            mb = {
+                "input_ids": ids.to(self.device),
+                "positions": response_positions(prompt_lens, batch.response_len, seq_len),
+                "rows": chunk,
+            }
+            for name in fields:
+                t = batch.tensors[name]
+                mb[name] = torch.stack([t[r] if r is not None else torch.zeros_like(t[0]) for r in chunk])
+            if "response_mask" not in fields:
+                rm = batch.tensors["response_mask"]
+                mb["response_mask"] = torch.stack([rm[r] if r is not None else torch.zeros_like(rm[0]) for r in chunk])
+            out.append(mb)
+        return out
+
+    def _outputs(self, model_output: torch.Tensor, mb: dict, want: tuple[str, ...], temperature: float) -> dict[str, torch.Tensor]:
+        """Per-response-token outputs [b, response_len] from the last stage's model output."""
+        pos = mb["positions"].to(model_output.device)
+        if self.critic:
+            values = model_output[..., 0].float()  # [b, s]
+            return {"values": values.gather(1, pos)}
+        logits = model_output[:, :-1]  # [b, s-1, vocab/tp]: position t predicts token t+1
+        if temperature != 1.0:
+            logits = logits / temperature
+        # Select the response positions before the vocab-parallel math: prompts cost nothing more.
+        index = pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+        resp_logits = logits.gather(1, index)  # [b, R, vocab/tp]
+        targets = mb["input_ids"][:, 1:].gather(1, pos)
+        tp_group = self.dims.tp_group if self.dims.tp > 1 else None
+        out = {"logprobs": vocab_parallel_logprobs(resp_logits, targets, tp_group, true_vocab_size=self.spec.vocab_size)}
+        if "entropy" in want:
+            out["entropy"] = vocab_parallel_entropy(resp_logits, tp_group, true_vocab_size=self.spec.vocab_size)
+        return out
+
+    # --- forward only ---------------------------------------------------------------------------------
+    def forward_only(self, batch: SequenceBatch, want: tuple[str, ...] = ("logprobs",), temperature: float = 1.0) -> dict[str, torch.Tensor]:
+        """Per-response-token log-probs (and entropy) or values, [n, response_len], on every rank."""
+        self.onload()
+        self.module.eval()
+        rows = list(range(len(batch)))
+        micro_batches = self._micro_batches(batch, rows)
+
+        def compute(output, mb):
+            return {k: v.detach().float().cpu() for k, v in self._outputs(output, mb, want, temperature).items()}
+
+        results = pipeline_forward(self.model, self.dims, micro_batches, compute)
+        merged = {k: torch.cat([r[k] for r in results])[: len(batch)] for k in results[0]}
+        return {k: v * batch.response_mask.to(v.dtype) for k, v in merged.items()}
+
+    # --- training ---------------------------------------------------------------------------------------
+    def train_step(
+        self,
+        batch: SequenceBatch,
+        loss_fn: LossFn,
+        *,
+        fields: tuple[str, ...],
+        epochs: int = 1,
+        mini_batches: int = 1,
+        num_global: int | None = None,
+        shuffle_seed: int = 0,
+        want: tuple[str, ...] = ("logprobs",),
+        temperature: float = 1.0,
+        skip_grad_norm_above: float | None = None,
+    ) -> TrainStats:
+        """`epochs` x `mini_batches` optimizer steps over the global batch.
+
+        Mini-batches are drawn from one permutation of the *global* sample indices per epoch, so
+        every layout forms the same mini-batches; each rank trains on its own rows of them.
+        A step whose gradient norm is not finite or exceeds `skip_grad_norm_above` is skipped.
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if not self.trainable:
+            raise RuntimeError("train_step on a frozen (reference) engine")
+        self.onload()
+        self.module.train()
+        num_global = num_global or self._global_count(len(batch))
+        if num_global % mini_batches:
+            raise ValueError(f"{num_global} sequences per step are not divisible into {mini_batches} mini-batches")
+        position = {g: i for i, g in enumerate(batch.global_index)}
+        stats = TrainStats()
+        metric_sums: dict[str, float] = {}
+        metric_weight = 0.0
+        dp_size = self.dims.world_size // (self.dims.tp * self.dims.pp)
+        for epoch in range(epochs):
+            perm = torch.randperm(num_global, generator=torch.Generator().manual_seed(shuffle_seed * 1000 + epoch)).tolist()
+            size = num_global // mini_batches
+            for k in range(mini_batches):
+                rows = [position[g] for g in perm[k * size : (k + 1) * size] if g in position]
+                micro_batches = self._micro_batches(batch, rows, fields)
+                totals = self._totals(batch, rows)
+                num_mb = len(micro_batches)
+                reduced: list[dict] = []
+
+                def loss_func(mb, output):
+                    outputs = self._outputs(output, mb, want, temperature)
+                    loss, metrics = loss_fn(outputs, mb, totals)
+                    weight = float(mb["response_mask"].sum())
+                    reduced.append({"weight": weight, **{m: v * weight for m, v in metrics.items()}})
+                    # The schedule divides by the micro-batch count and DDP averages over DP; both
+                    # are undone so that contributions are *summed* (see module docstring).
+                    return loss * (num_mb * dp_size), torch.tensor(1, dtype=torch.int), {}
+
+                def forward_step(data_iterator, model):
+                    mb = next(data_iterator)
+                    from megarl.engine.forward import model_forward
+
+                    return model_forward(model, mb), partial(loss_func, mb)
+
+                self.model.zero_grad_buffer()
+                self.optimizer.zero_grad()
+                seq_len = micro_batches[0]["input_ids"].shape[1]
+                get_forward_backward_func()(
+                    forward_step_func=forward_step,
+                    data_iterator=iter(micro_batches),
+                    model=[self.model],
+                    num_microbatches=num_mb,
+                    seq_length=seq_len,
+                    micro_batch_size=micro_batches[0]["input_ids"].shape[0],
+                    forward_only=False,
+                )
+                grad_norm = self._optimizer_step(skip_grad_norm_above, stats)
+                stats.grad_norms.append(grad_norm)
+                for entry in reduced:
+                    metric_weight += entry.pop("weight")
+                    for m, v in entry.items():
+                        metric_sums[m] = metric_sums.get(m, 0.0) + v
+        stats.metrics = self._reduce_metrics(metric_sums, metric_weight)
+        return stats
+
+    def _optimizer_step(self, skip_above: float | None, stats: TrainStats) -> float:
+        found_inf = self.optimizer.prepare_grads()
+        grad_norm = float("nan") if found_inf else float(self.optimizer.get_grad_norm())
+        if not math.isfinite(grad_norm) or (skip_above is not None and grad_norm > skip_above):
+            stats.skipped_steps += 1
+            self.optimizer.zero_grad()
+            return grad_norm
+        self.optimizer.step()  # clips to max_grad_norm with the same global norm, then Adam
+        self.scheduler.step(increment=1)
+        self.optimizer_steps += 1
+        return grad_norm
+
+    def _global_count(self, local: int) -> int:
+        t = torch.tensor([local], dtype=torch.long)
+        if self.dims.dp > 1:
+            dist.all_reduce(t, group=self.dims.dp_group)
+        return int(t)
+
+    def _totals(self, batch: SequenceBatch, rows: list[int]) -> dict[str, torch.Tensor]:
+        """Valid tokens and non-empty sequences in the whole mini-batch (summed over DP)."""
+        mask = batch.response_mask[rows] if rows else batch.response_mask[:0]
+        t = torch.tensor([mask.sum().item(), (mask.sum(-1) > 0).sum().item()], dtype=torch.float64)
+        if self.dims.dp > 1:
+            dist.all_reduce(t, group=self.dims.dp_group)
+        return {"tokens": t[0], "seqs": t[1]}
+
+    def _reduce_metrics(self, sums: dict[str, float], weight: float) -> dict[str, float]:
+        """Token-weighted means over micro-batches and DP ranks, then from the last stage to all."""
+        keys = sorted(sums)
+        t = torch.tensor([weight] + [sums[k] for k in keys], dtype=torch.float64)
+        box = [keys]
+        if self.dims.pp > 1:
+            src = self.dims.pp_stage_ranks()[-1]
+            dist.broadcast_object_list(box, src=src, group=self.dims.pp_group)
+            keys = box[0]
+            if not self.dims.is_last_stage:
+                t = torch.zeros(1 + len(keys), dtype=torch.float64)
+            dist.broadcast(t, src=src, group=self.dims.pp_group)
+        if self.dims.dp > 1:
+            dist.all_reduce(t, group=self.dims.dp_group)
+        total = max(float(t[0]), 1e-12)
+        return {k: float(v) / total for k, v in zip(keys, t[1:])}
+
+    # --- weights out --------------------------------------------------------------------------------------
+    def export_hf(self):
+        from megarl.models.weights import export_hf
+
+        self.onload()
+        return export_hf(self.module, self.spec, self.dims, critic=self.critic)
+
+    def local_weight_shards(self):
+        from megarl.models.weights import local_weight_shards
+
+        self.onload()
+        return local_weight_shards(self.module, self.spec, self.dims)
+
+    # --- offload ----------------------------------------------------------------------------------------------
+    def offload(self) -> dict[str, int]:
+        """Move what the config says (params, grads, optimizer state) to host memory; returns bytes moved."""
+        from megarl.engine import offload
+
+        moved = {}
+        if self.cfg.param_offload and not self._offloaded.get("params"):
+            moved["params"] = offload.offload_params(self)
+            self._offloaded["params"] = True
+        if self.cfg.grad_offload and self.trainable and not self._offloaded.get("grads"):
+            moved["grads"] = offload.offload_grads(self)
+            self._offloaded["grads"] = True
+        if self.cfg.optimizer_offload and self.trainable and not self._offloaded.get("optimizer"):
+            moved["optimizer"] = offload.offload_optimizer(self)
+            self._offloaded["optimizer"] = True
+        return moved
+
+    def onload(self) -> dict[str, int]:
+        from megarl.engine import offload
+
+        moved = {}
+        if self._offloaded.pop("params", False):
+            moved["params"] = offload.onload_params(self)
+        if self._offloaded.pop("grads", False):
+            moved["grads"] = offload.onload_grads(self)
+        if self._offloaded.pop("optimizer", False):
+            moved["optimizer"] = offload.onload_optimizer(self)
+        return moved
+
+    # --- checkpoint ---------------------------------------------------------------------------------------------
+    def _ensure_optimizer_state(self) -> None:
+        """Adam creates its state lazily at the first step, but Megatron's checkpoint code reads it
+        (including `step`) when saving before any update and when loading into a fresh engine."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = opt.optimizer
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    if len(inner.state[p]) == 0:
+                        inner.state[p]["exp_avg"] = torch.zeros_like(p.data)
+                        inner.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
+                        inner.state[p]["step"] = torch.tensor(0.0)
+
+    def sharded_state_dict(self) -> dict:
+        self.onload()
+        if self.trainable:
+            self._ensure_optimizer_state()
+        model_sd = self.module.sharded_state_dict(prefix="model.")
+        state = {"model": model_sd}
+        if self.trainable:
+            state["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=_OPTIM_CKPT_FORMAT)
+        return state
+
+    def save(self, path: str) -> float:
+        """Megatron distributed checkpoint of weights + optimizer into `path` (a directory that
+        all ranks see). Returns seconds. Atomicity is the caller's (`megarl.checkpoint`)."""
+        from megatron.core import dist_checkpointing
+
+        start = time.perf_counter()
+        os.makedirs(path, exist_ok=True)
+        dist.barrier()
+        state = self.sharded_state_dict()
+        dist_checkpointing.save(state, path)
+        if self.dims.rank == 0:
+            torch.save(self.extra_state(), os.path.join(path, "engine_extra.pt"))
+        dist.barrier()
+        return time.perf_counter() - start
+
+    def load(self, path: str) -> None:
+        from megatron.core import dist_checkpointing
+
+        self.onload()
+        model_sd = self.module.sharded_state_dict(prefix="model.")
+        template = {"model": model_sd}
+        if self.trainable:
+            self._ensure_optimizer_state()
+            template["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=_OPTIM_CKPT_FORMAT)
+        loaded = dist_checkpointing.load(template, path)
+        model_state = {k[len("model."):]: v for k, v in loaded["model"].items()} if "model" in loaded else {}
+        self.module.load_state_dict(model_state, strict=False)
+        if self.trainable:
+            optimizers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+            states = [loaded["optimizer"]] if len(optimizers) == 1 else [loaded["optimizer"][i] for i in range(len(optimizers))]
+            for opt, state in zip(optimizers, states):
+                _load_distributed_optimizer(opt, state)
+            extra = os.path.join(path, "engine_extra.pt")
+            if os.path.exists(extra):
+                self.load_extra_state(torch.load(extra, weights_only=False))
+
+    def extra_state(self) -> dict:
+        return {"optimizer_steps": self.optimizer_steps, "scheduler": self.scheduler.state_dict() if self.scheduler else None}
+
+    def load_extra_state(self, state: dict) -> None:
+        self.optimizer_steps = state["optimizer_steps"]
+        if self.scheduler and state.get("scheduler"):
+            self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _load_distributed_optimizer(opt, state: dict) -> None:
+    """DistributedOptimizer.load_state_dict, working around a Megatron-Core 0.16 gap.
+
+    Without Apex/TE, torch Adam keeps `step` in every parameter's state, but the fully_reshardable
+    loader copies only (param, exp_avg, exp_avg_sq) into that state and fails on `step`. So: load
+    the non-parameter state (which restores `step` from the checkpoint's param groups), set `step`
+    aside while the parameter state is copied, then put it back -- one tensor per parameter: the
+    loader hands every parameter the *same* step tensor, which torch Adam then increments once per
+    parameter per step (found by the resume test: the second step after a resume diverged).
+    """
+    param_state = state.pop("param_state", None)
+    sharding_type = state.pop("param_state_sharding_type", None)
+    opt.load_state_dict(state)
+    if param_state is None:
+        return
+    if sharding_type != "fully_reshardable":
+        raise ValueError(f"checkpoint optimizer format {sharding_type!r} is not the one megarl writes (fully_reshardable)")
+    inner = opt.optimizer
+    steps = {id(p): s.pop("step") for p, s in inner.state.items() if "step" in s}
+    opt.load_parameter_state_from_fully_reshardable(param_state)
+    for p, s in inner.state.items():
+        if id(p) in steps:
+            s["step"] = steps[id(p)].clone()

@@ -1,0 +1,68 @@
+"""Critic: the policy's backbone with a scalar value head in place of the LM head.
+
+Head initialisation: if the HF directory holds a `score.weight` of shape [1, hidden] (a reward model
+saved as `*ForSequenceClassification` / `*ForTokenClassification`, or a critic megarl exported),
+the head starts from it; otherwise weight ~ N(0, 1/(hidden+1)) drawn from a generator seeded with 0
+(the same on every rank and for every layout, so runs compare across layouts) and bias 0, the
+scale TRL and OpenRLHF use, which keeps initial values small next to rewards in [0, 1].
+
+The head is replicated on every tensor-parallel rank: its input (the final hidden states) is
+identical across the TP group, so its gradient is too, and Megatron counts replicated parameters
+once in the gradient norm.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+VALUE_HEAD_INIT_SEED = 0
+
+
+class ValueHead(torch.nn.Module):
+    """hidden [s, b, h] -> values [s, b, 1]; called as Megatron's output layer."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.value = torch.nn.Linear(hidden_size, 1, bias=True, dtype=dtype, device=device)
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        return self.value(hidden_states), None
+
+
+def _checkpoint_head(model_dir: str | Path, hidden: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    from megarl.models.weights import SafetensorsDir
+
+    try:
+        source = SafetensorsDir(model_dir)
+    except FileNotFoundError:
+        return None
+    if "score.weight" not in source.weight_map:
+        return None
+    weight = source.full("score.weight")
+    if tuple(weight.shape) != (1, hidden):
+        return None
+    bias = source.full("score.bias") if "score.bias" in source.weight_map else None
+    return weight, bias
+
+
+@torch.no_grad()
+def attach_value_head(model: torch.nn.Module, spec, model_dir: str | Path) -> None:
+    """Replace the LM head of the last pipeline stage by a ValueHead (no-op on other stages)."""
+    if not model.post_process:
+        return
+    if model.share_embeddings_and_output_weights:
+        raise ValueError("build the critic with value_head=True so it does not tie the output layer to the embedding")
+    param = next(model.parameters())
+    head = ValueHead(spec.hidden_size, param.dtype, param.device)
+    loaded = _checkpoint_head(model_dir, spec.hidden_size)
+    if loaded is not None:
+        head.value.weight.copy_(loaded[0])
+        head.value.bias.copy_(loaded[1] if loaded[1] is not None else torch.zeros(1))
+    else:
+        gen = torch.Generator().manual_seed(VALUE_HEAD_INIT_SEED)
+        std = 1.0 / math.sqrt(spec.hidden_size + 1)
+        head.value.weight.copy_(torch.randn(1, spec.hidden_size, generator=gen) * std)
+        head.value.bias.zero_()
+    model.output_layer = head
