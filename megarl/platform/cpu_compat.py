@@ -84,6 +84,22 @@ def enter_cuda_to_cpu_mode() -> None:
     if _CUDA_TO_CPU_MODE is None:
         _CUDA_TO_CPU_MODE = CudaToCpuMode()
         _CUDA_TO_CPU_MODE.__enter__()
+        torch.autograd._engine_run_backward = _engine_run_backward_in_mode
+
+
+_ORIGINAL_ENGINE_RUN_BACKWARD = torch.autograd.graph._engine_run_backward
+
+
+def _engine_run_backward_in_mode(*args, **kwargs):
+    # A mode is switched off while it handles a call, and `Tensor.backward`, `torch.autograd.backward`
+    # (Megatron's schedules) and `torch.autograd.grad` are calls it handles: the whole backward pass
+    # (Python autograd Functions, activation recompute, DDP grad hooks) would run without it and hit
+    # device='cuda'. All three reach the engine through this function, so switch the mode back on here.
+    mode = _CUDA_TO_CPU_MODE
+    if mode is None or mode in torch.overrides._get_current_function_mode_stack():
+        return _ORIGINAL_ENGINE_RUN_BACKWARD(*args, **kwargs)
+    with mode:
+        return _ORIGINAL_ENGINE_RUN_BACKWARD(*args, **kwargs)
 
 
 # --- seam 3: the RNG tracker -----------------------------------------------------------------------
@@ -146,6 +162,19 @@ def install_cpu_rng_tracker() -> None:
     # model_parallel_cuda_manual_seed calls torch.cuda.manual_seed (a no-op without CUDA) and
     # rebuilds the tracker only when asked to; keep it ours when it does.
     mcore_random.CudaRNGStatesTracker = CpuRNGStatesTracker
+    # Activation recompute (tensor_parallel.CheckpointFunction) saves "the CUDA RNG state" before the
+    # forward and restores it for the recomputation; torch.cuda.get_rng_state fails without CUDA.
+    # On CPU that generator is the CPU one (the tracker above forks it too).
+    mcore_random._get_cuda_rng_state = _get_cpu_rng_state
+    mcore_random._set_cuda_rng_state = _set_cpu_rng_state
+
+
+def _get_cpu_rng_state(device="cuda", clone=False, graph_safe=False) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state, device=-1, graph_safe=False) -> None:
+    torch.set_rng_state(new_state)
 
 
 # --- seam 4: streams and events ----------------------------------------------------------------------

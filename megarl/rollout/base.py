@@ -1,0 +1,196 @@
+"""The rollout engine contract: sampling parameters, requests, results, the engine Protocol.
+
+Randomness is a function of (seed, step, global prompt index, sample index) only: every engine
+expands `n` into `n` single-sample requests, each with the seed `make_sample_seed` gives it, so
+what a sample is does not depend on the batch it was generated in, on the rank that generated it,
+or on the rollout layout.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+import warnings
+from dataclasses import dataclass, field
+from typing import Iterable, Literal, Protocol, Sequence
+
+import torch
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample responses; one object per run (the per-sample seed is derived, not stored).
+
+    n: samples per prompt. temperature: 0 means greedy. top_p: 1.0 disables nucleus sampling.
+    top_k: 0 disables it. max_new_tokens: response length cap in tokens.
+    stop_token_ids: generation of a sample stops after it emits one of these (the stop token is
+        part of the response). Put the EOS id(s) here: megarl engines stop on nothing else, while
+        vLLM also stops on the model's own EOS (see docs/rollout.md).
+    seed: the run seed that `make_sample_seed` mixes with (step, prompt index, sample index).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0 (0 = disabled), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """One prompt. prompt_index is its index in the global batch of this step (layout independent)."""
+
+    prompt_token_ids: tuple[int, ...]
+    prompt_index: int
+    step: int = 0
+
+    def __post_init__(self):
+        if len(self.prompt_token_ids) == 0:
+            raise ValueError(f"prompt {self.prompt_index} has no tokens")
+        object.__setattr__(self, "prompt_token_ids", tuple(int(t) for t in self.prompt_token_ids))
+
+
+@dataclass
+class RolloutResult:
+    """One sampled response.
+
+    logprobs: per response token, the log-prob under the distribution it was sampled from
+        (temperature, top-k and top-p applied and renormalised; vLLM's "processed_logprobs").
+        Greedy requests report log-softmax of the unscaled logits. SGLang cannot return this and
+        reports scaled_logprobs here instead (docs/rollout.md has the table).
+    scaled_logprobs: the same under softmax(logits / temperature) without top-k/top-p
+        truncation: the quantity the actor recomputes. None when the engine does not return it.
+    """
+
+    prompt_index: int
+    sample_index: int
+    response_token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    scaled_logprobs: list[float] | None = None
+
+
+class RolloutEngine(Protocol):
+    """What the trainer needs from an inference engine colocated with training.
+
+    Per step: `load_weights` (wakes weight memory, replaces all weights), `resume_memory`
+    (KV cache back), `generate` (any number of times), `release_memory` (before training).
+    """
+
+    def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
+        """len(requests) * sampling.n results, prompt-major: result i*n + j is sample j of request i."""
+        ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Consume a stream of full HF-checkpoint-named tensors (one pass, tensors not kept)."""
+        ...
+
+    def release_memory(self) -> None: ...
+
+    def resume_memory(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+_SEED_MASK = (1 << 63) - 1
+
+
+def make_sample_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> int:
+    """A stable 63-bit seed from (run seed, step, global prompt index, sample index) via BLAKE2b.
+
+    Not Python's hash(): that is salted per process. 63 bits so every engine takes it (int64).
+    """
+    payload = struct.pack("<4q", seed, step, prompt_index, sample_index)
+    return int.from_bytes(hashlib.blake2b(payload, digest_size=8, person=b"megarl-sample").digest(), "little") & _SEED_MASK
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """One row of work after expanding `n`: which request, which sample, and its seed."""
+
+    request: RolloutRequest
+    sample_index: int
+    seed: int
+
+
+def expand_samples(requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[SampleSpec]:
+    """Expand each request into sampling.n single-sample rows, prompt-major, each with its own seed."""
+    return [
+        SampleSpec(req, j, make_sample_seed(sampling.seed, req.step, req.prompt_index, j))
+        for req in requests
+        for j in range(sampling.n)
+    ]
+
+
+class MissingEngineError(ImportError):
+    """An optional rollout engine is not installed."""
+
+    def __init__(self, package: str, target_version: str, extra: str):
+        super().__init__(
+            f"the '{package}' rollout engine needs {package}=={target_version}, which is not importable here. "
+            f"Install it with `pip install 'megarl[{extra}]'` on a machine with CUDA "
+            f"({package} does not run on CPU; use rollout.engine=hf there)."
+        )
+
+
+def warn_if_version_differs(package: str, installed: str, target: str) -> None:
+    """The adapters follow one version's API exactly; say so when another one is installed."""
+    if installed != target:
+        warnings.warn(
+            f"megarl's {package} adapter targets {package}=={target} but {installed} is installed; "
+            f"the calls it makes were checked against {target} only (docs/rollout.md lists them).",
+            stacklevel=3,
+        )
+
+
+@dataclass
+class ResponseBatch:
+    """Results padded to a [num_samples, max_response_len] grid (right padding)."""
+
+    token_ids: torch.Tensor  # [B, T] int64, pad 0
+    logprobs: torch.Tensor  # [B, T] float32, pad 0
+    mask: torch.Tensor  # [B, T] bool, True on response tokens
+    prompt_index: torch.Tensor = field(default=None)  # [B]
+    sample_index: torch.Tensor = field(default=None)  # [B]
+
+
+def pad_results(results: Sequence[RolloutResult], use_scaled: bool = False) -> ResponseBatch:
+    """Stack results into padded tensors; use_scaled picks scaled_logprobs instead of logprobs."""
+    width = max((len(r.response_token_ids) for r in results), default=0)
+    B = len(results)
+    ids = torch.zeros(B, width, dtype=torch.long)
+    lps = torch.zeros(B, width, dtype=torch.float32)
+    mask = torch.zeros(B, width, dtype=torch.bool)
+    for i, r in enumerate(results):
+        T = len(r.response_token_ids)
+        values = r.scaled_logprobs if use_scaled else r.logprobs
+        if values is None:
+            raise ValueError("pad_results(use_scaled=True) needs scaled_logprobs, which this engine did not return")
+        ids[i, :T] = torch.tensor(r.response_token_ids, dtype=torch.long)
+        lps[i, :T] = torch.tensor(values, dtype=torch.float32)
+        mask[i, :T] = True
+    return ResponseBatch(
+        ids, lps, mask,
+        torch.tensor([r.prompt_index for r in results], dtype=torch.long),
+        torch.tensor([r.sample_index for r in results], dtype=torch.long),
+    )

@@ -1,0 +1,68 @@
+"""Logit processing and per-row seeded sampling, as pure tensor functions.
+
+The order of operations follows vLLM's sampler (temperature, then top-k, then top-p over the
+ascending-sorted distribution), so `processed` log-probs mean the same thing in every engine.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (processed_logprobs, scaled_logprobs), both [B, V] float32.
+
+    logits: [B, V]. scaled = log_softmax(logits / T) (T = 1 when greedy); processed = the same
+    after masking tokens outside top-k and the top-p nucleus to -inf and renormalising: the
+    distribution actually sampled from. Greedy (T = 0) leaves logits unscaled and untruncated.
+    """
+    logits = logits.float()
+    if temperature == 0.0:
+        lp = torch.log_softmax(logits, dim=-1)
+        return lp, lp
+    scaled = logits / temperature
+    scaled_lp = torch.log_softmax(scaled, dim=-1)
+    masked = scaled
+    V = logits.shape[-1]
+    if 0 < top_k < V:
+        kth = torch.topk(masked, top_k, dim=-1).values[:, -1:]  # [B, 1]; ties with the k-th stay in
+        masked = masked.masked_fill(masked < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(masked, dim=-1, descending=False)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop_sorted = cum <= (1.0 - top_p)
+        drop_sorted[:, -1] = False  # the most likely token always stays
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        masked = masked.masked_fill(drop, float("-inf"))
+    if masked is scaled:
+        return scaled_lp, scaled_lp
+    return torch.log_softmax(masked, dim=-1), scaled_lp
+
+
+def sample_rows(processed_logprobs: torch.Tensor, generators: Sequence[torch.Generator | None], greedy: bool) -> torch.Tensor:
+    """Pick one token per row: argmax when greedy, else inverse-CDF with one uniform per row.
+
+    processed_logprobs: [B, V]. generators[i] draws row i's uniform, so a row's token depends
+    only on its own logits and generator, not on which other rows share the batch. Returns [B]
+    int64. Rows whose generator is None (finished rows) get token 0 without consuming randomness.
+    """
+    if greedy:
+        return processed_logprobs.argmax(dim=-1)
+    # One float64 uniform per live row from that row's CPU generator; the search runs batched
+    # on the logits' device.
+    live = [i for i, g in enumerate(generators) if g is not None]
+    u = torch.zeros(len(generators), 1, dtype=torch.float64)
+    for i in live:
+        u[i, 0] = torch.rand((), generator=generators[i], dtype=torch.float64)
+    probs = processed_logprobs.double().exp()
+    cdf = probs.cumsum(dim=-1)
+    u = u.to(cdf.device)
+    # first index whose cdf exceeds u * total: zero-probability tokens can never be picked
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
+    last_positive = (probs > 0).cumsum(dim=-1).argmax(dim=-1)  # for u * total rounding up to total
+    idx = torch.minimum(idx, last_positive)
+    dead = [i for i, g in enumerate(generators) if g is None]
+    if dead:
+        idx[torch.tensor(dead, device=idx.device)] = 0
+    return idx

@@ -1,0 +1,38 @@
+"""Post-sync verification and the train/rollout probability-gap metrics, hand-worked."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megarl.hybrid.verify import WeightSyncMismatch, compare_logprobs, rollout_probs_diff_metrics
+
+
+def test_compare_logprobs_passes_within_tolerance_and_ignores_padding():
+    engine = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]])
+    actor = torch.tensor([[-1.001, -2.0, -50.0], [-0.5, -7.0, 0.0]])  # -50 and -7 sit on padding
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    assert compare_logprobs(engine, actor, mask, atol=1e-2) == pytest.approx(0.001, abs=1e-6)
+
+
+def test_compare_logprobs_names_the_worst_position():
+    engine = torch.tensor([[-1.0, -2.0], [-0.5, -0.25]])
+    actor = torch.tensor([[-1.0, -2.1], [-0.5, -3.25]])
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    with pytest.raises(WeightSyncMismatch, match=r"max \|logprob diff\| = 3 > atol 0.01 at sample 1, response position 1"):
+        compare_logprobs(engine, actor, mask, atol=0.01)
+    with pytest.raises(WeightSyncMismatch):  # NaN is a mismatch, not a pass
+        compare_logprobs(torch.tensor([[float("nan")]]), torch.tensor([[0.0]]), torch.tensor([[True]]), atol=1.0)
+
+
+def test_probs_diff_metrics_in_probability_space():
+    # probs: rollout [0.5, 0.25], actor [0.25, 0.25] -> diffs [0.25, 0]; third position masked
+    rollout = torch.log(torch.tensor([[0.5, 0.25, 0.9]]))
+    actor = torch.log(torch.tensor([[0.25, 0.25, 0.1]]))
+    mask = torch.tensor([[True, True, False]])
+    m = rollout_probs_diff_metrics(rollout, actor, mask)
+    assert m["training/rollout_probs_diff_mean"] == pytest.approx(0.125)
+    assert m["training/rollout_probs_diff_max"] == pytest.approx(0.25)
+    assert m["training/rollout_probs_diff_std"] == pytest.approx(0.125)
+    assert rollout_probs_diff_metrics(rollout, actor, torch.zeros_like(mask))["training/rollout_probs_diff_max"] == 0.0

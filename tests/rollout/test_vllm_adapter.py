@@ -1,0 +1,135 @@
+"""The vLLM adapter against a recording stand-in for vllm 0.33.0 (no CUDA needed)."""
+from __future__ import annotations
+
+import random
+import socket
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fake_engines import fake_tokens, make_fake_vllm
+from megarl.rollout.base import MissingEngineError, RolloutRequest, SamplingParams, make_sample_seed
+
+
+@pytest.fixture
+def single_rank(monkeypatch):
+    """A one-process gloo world plus torchrun's env, as vLLM's external_launcher expects."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    mod = make_fake_vllm()
+    monkeypatch.setitem(sys.modules, "vllm", mod)
+    return mod
+
+
+def test_missing_vllm_names_the_extra_and_version(monkeypatch):
+    from megarl.rollout.vllm import import_vllm
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
+    with pytest.raises(MissingEngineError, match=r"pip install 'megarl\[vllm\]'.*") as info:
+        import_vllm()
+    assert isinstance(info.value, ImportError) and "vllm==0.33.0" in str(info.value)
+
+
+def test_other_vllm_version_warns(monkeypatch):
+    from megarl.rollout.vllm import import_vllm
+
+    monkeypatch.setitem(sys.modules, "vllm", make_fake_vllm("0.32.0"))
+    with pytest.warns(UserWarning, match="targets vllm==0.33.0 but 0.32.0"):
+        import_vllm()
+
+
+def test_engine_needs_torchrun_env_and_process_group(fake_vllm, monkeypatch):
+    from megarl.rollout.vllm import VLLMConfig, VLLMRolloutEngine
+
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="RANK"):
+        VLLMRolloutEngine(VLLMConfig("/m"))
+
+
+def test_call_sequence_of_one_step(fake_vllm, single_rank, monkeypatch):
+    from megarl.rollout.vllm import VLLMConfig, VLLMRolloutEngine
+
+    random.seed(123)
+    torch.manual_seed(123)
+    py_state, torch_state = random.getstate(), torch.get_rng_state()
+    engine = VLLMRolloutEngine(VLLMConfig("/models/tiny", seed=10, kv_cache_memory_bytes=1 << 30, max_model_len=256,
+                                          env={"VLLM_TEST_FLAG": "1"}))
+    # the trainer's RNG survives LLM() reseeding everything
+    assert random.getstate() == py_state and torch.equal(torch.get_rng_state(), torch_state)
+    name, kwargs = fake_vllm.calls[0]
+    assert name == "LLM"
+    assert kwargs == dict(model="/models/tiny", tensor_parallel_size=1, distributed_executor_backend="external_launcher", seed=10,
+                          load_format="dummy", enable_sleep_mode=True, logprobs_mode="processed_logprobs", dtype="auto",
+                          enforce_eager=False, kv_cache_memory_bytes=1 << 30, max_model_len=256)
+    assert fake_vllm.calls[1] == ("sleep", 2)
+    import os
+    assert os.environ["VLLM_TEST_FLAG"] == "1"
+
+    reqs = [RolloutRequest((5, 6), prompt_index=3, step=2), RolloutRequest((7,), prompt_index=4, step=2)]
+    sampling = SamplingParams(n=2, temperature=0.8, top_p=0.9, top_k=20, max_new_tokens=3, stop_token_ids=(2,), seed=1)
+    with pytest.raises(RuntimeError, match="load_weights"):
+        engine.generate(reqs, sampling)  # weights are garbage after sleep(level=2)
+
+    del fake_vllm.calls[:]
+    engine.load_weights(iter([("model.embed_tokens.weight", torch.zeros(2)), ("lm_head.weight", torch.zeros(2))]))
+    engine.resume_memory()
+    assert fake_vllm.calls == [
+        ("wake_up", ("weights",)),
+        ("collective_rpc", "reload_weights", True, ["model.embed_tokens.weight", "lm_head.weight"]),
+        ("reset_prefix_cache",),
+        ("wake_up", ("kv_cache",)),
+    ]
+
+    del fake_vllm.calls[:]
+    results = engine.generate(reqs, sampling)
+    (_, prompts, params, use_tqdm), = fake_vllm.calls
+    assert use_tqdm is False
+    assert prompts == [{"prompt_token_ids": [5, 6]}] * 2 + [{"prompt_token_ids": [7]}] * 2
+    seeds = [make_sample_seed(1, 2, 3, 0), make_sample_seed(1, 2, 3, 1), make_sample_seed(1, 2, 4, 0), make_sample_seed(1, 2, 4, 1)]
+    for p, seed in zip(params, seeds):
+        assert vars(p) == dict(n=1, seed=seed, logprobs=0, max_tokens=3, temperature=0.8, top_p=0.9, top_k=20,
+                               stop_token_ids=[2], detokenize=False)
+    assert [(r.prompt_index, r.sample_index) for r in results] == [(3, 0), (3, 1), (4, 0), (4, 1)]
+    assert results[0].response_token_ids == fake_tokens(seeds[0], [5, 6])
+    assert results[0].logprobs == [-0.5, -1.5, -2.5]  # the sampled token's entry, not the decoy
+    assert results[0].finish_reason == "length"
+
+    del fake_vllm.calls[:]
+    engine.release_memory()
+    engine.release_memory()  # idempotent
+    assert fake_vllm.calls == [("sleep", 2)]
+    with pytest.raises(RuntimeError):
+        engine.generate(reqs, sampling)
+
+
+def test_sleep_level_one_keeps_weights(fake_vllm, single_rank):
+    from megarl.rollout.vllm import VLLMConfig, VLLMRolloutEngine
+
+    engine = VLLMRolloutEngine(VLLMConfig("/m", sleep_level=1))
+    engine.load_weights([("w", torch.zeros(1))])
+    engine.resume_memory()
+    engine.release_memory()
+    del fake_vllm.calls[:]
+    engine.resume_memory()  # no re-sync needed: weights come back from CPU first
+    assert fake_vllm.calls == [("wake_up", ("weights",)), ("wake_up", ("kv_cache",))]
+    assert len(engine.generate([RolloutRequest((1,), 0)], SamplingParams(temperature=0.0, max_new_tokens=2))) == 1
+
+
+def test_tp_must_divide_world(fake_vllm, single_rank):
+    from megarl.rollout.vllm import VLLMConfig, VLLMRolloutEngine
+
+    with pytest.raises(ValueError, match="not divisible"):
+        VLLMRolloutEngine(VLLMConfig("/m", tensor_parallel_size=2))
