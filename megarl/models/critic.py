@@ -21,14 +21,19 @@ VALUE_HEAD_INIT_SEED = 0
 
 
 class ValueHead(torch.nn.Module):
-    """hidden [s, b, h] -> values [s, b, 1]; called as Megatron's output layer."""
+    """hidden [s, b, h] -> values [s, b, 1]; called as Megatron's output layer.
+
+    Its parameters are named `weight` and `bias` like the LM head it replaces, because Megatron's
+    checkpointing (`LanguageModule.sharded_state_dict`) looks up `output_layer.weight`.
+    """
 
     def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.value = torch.nn.Linear(hidden_size, 1, bias=True, dtype=dtype, device=device)
+        self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=dtype, device=device))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
-        return self.value(hidden_states), None
+        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
 def _checkpoint_head(model_dir: str | Path, hidden: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -58,11 +63,11 @@ def attach_value_head(model: torch.nn.Module, spec, model_dir: str | Path) -> No
     head = ValueHead(spec.hidden_size, param.dtype, param.device)
     loaded = _checkpoint_head(model_dir, spec.hidden_size)
     if loaded is not None:
-        head.value.weight.copy_(loaded[0])
-        head.value.bias.copy_(loaded[1] if loaded[1] is not None else torch.zeros(1))
+        head.weight.copy_(loaded[0])
+        head.bias.copy_(loaded[1] if loaded[1] is not None else torch.zeros(1))
     else:
         gen = torch.Generator().manual_seed(VALUE_HEAD_INIT_SEED)
         std = 1.0 / math.sqrt(spec.hidden_size + 1)
-        head.value.weight.copy_(torch.randn(1, spec.hidden_size, generator=gen) * std)
-        head.value.bias.zero_()
+        head.weight.copy_(torch.randn(1, spec.hidden_size, generator=gen) * std)
+        head.bias.zero_()
     model.output_layer = head

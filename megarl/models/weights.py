@@ -62,13 +62,21 @@ def global_name(local: str, layer_offset: int, expert_offset: int) -> str:
     return name
 
 
+def _is_value_head(model: torch.nn.Module, local: str) -> bool:
+    from megarl.models.critic import ValueHead
+
+    return local.startswith("output_layer.") and isinstance(getattr(model, "output_layer", None), ValueHead)
+
+
 def named_global_parameters(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDims) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
-    """(global name, local name, parameter) for every parameter of this rank's model chunk."""
+    """(global name, local name, parameter) for every HF-mapped parameter of this rank's model
+    chunk (a critic's value head is not an HF weight and is left out)."""
     model = unwrap(model)
     offset = _layer_offset(model)
     experts_per_rank = (spec.num_experts // dims.ep) if spec.is_moe else 0
     for local, param in model.named_parameters():
-        yield global_name(local, offset, dims.ep_rank * experts_per_rank), local, param
+        if not _is_value_head(model, local):
+            yield global_name(local, offset, dims.ep_rank * experts_per_rank), local, param
 
 
 def _tp_coords(mapping: WeightMapping, dims: ParallelDims) -> tuple[int, int]:
@@ -207,7 +215,7 @@ def _value_head(model: torch.nn.Module, dims: ParallelDims) -> Iterator[tuple[st
     param = next(model.parameters())
     for name in ("weight", "bias"):
         if dims.is_last_stage:
-            t = getattr(model.output_layer.value, name).detach().clone()
+            t = getattr(model.output_layer, name).detach().clone()
         else:
             shape = (1, model.config.hidden_size) if name == "weight" else (1,)
             t = torch.empty(shape, dtype=param.dtype, device=param.device)

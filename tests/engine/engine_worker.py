@@ -120,7 +120,7 @@ def run_role(args, dims, critic: bool, mode: str) -> dict:
         result["moved_bytes"] = moved
     if critic:
         # The value head is not an HF weight: report it next to the backbone.
-        head = engine.module.output_layer.value.weight.detach().clone() if dims.is_last_stage else None
+        head = engine.module.output_layer.weight.detach().clone() if dims.is_last_stage else None
         box = [head]
         dist.broadcast_object_list(box, src=dims.pp_stage_ranks()[-1], group=dims.pp_group)
         result["value_head"] = box[0]

@@ -1,0 +1,147 @@
+"""Save / resume of a whole PPO run, and HF export of a checkpoint.
+
+A checkpoint is `<run_dir>/checkpoints/step_XXXXXXXX/` holding `actor/` and `critic/` (Megatron
+distributed checkpoints: weights + optimizer, reshardable to any layout) and `trainer.pt` (step,
+KL controller, data position, guard state, LR scale). It is written into a temporary directory
+and renamed into place with a COMPLETE marker (`megarl.checkpoint_io.atomic_dir`), so a run killed
+while saving resumes from the previous complete checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megarl.checkpoint_io import atomic_dir, cleanup_old_checkpoints, latest_complete_checkpoint, remove_leftovers, step_dir
+
+
+def checkpoints_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    return latest_complete_checkpoint(checkpoints_root(run_dir))
+
+
+def save(trainer, step: int) -> Path:
+    """Collective: every rank writes its shards; rank 0 writes the trainer state and the marker."""
+    root = checkpoints_root(trainer.cfg.trainer.run_dir)
+    final = step_dir(root, step)
+    with atomic_dir(final, rank=dist.get_rank(), barrier=dist.barrier, token=f"step{step}") as tmp:
+        trainer.actor.save(str(tmp / "actor"))
+        if trainer.critic is not None:
+            trainer.critic.save(str(tmp / "critic"))
+        if dist.get_rank() == 0:
+            torch.save(_trainer_state(trainer, step), tmp / "trainer.pt")
+    if dist.get_rank() == 0 and trainer.cfg.trainer.keep_last_checkpoints:
+        cleanup_old_checkpoints(root, trainer.cfg.trainer.keep_last_checkpoints)
+    return final
+
+
+def restore(trainer, path: str | Path, weights_only: bool = False) -> int:
+    """Load engines (and unless weights_only, the run state); returns the checkpoint's step."""
+    path = Path(path)
+    if not (path / "trainer.pt").is_file():
+        raise FileNotFoundError(f"{path} is not a megarl checkpoint (no trainer.pt)")
+    trainer.actor.load(str(path / "actor"))
+    if trainer.critic is not None:
+        if not (path / "critic").is_dir():
+            raise FileNotFoundError(f"{path} has no critic checkpoint, but algorithm.adv_estimator=gae needs one")
+        trainer.critic.load(str(path / "critic"))
+    state = torch.load(path / "trainer.pt", weights_only=False)
+    if not weights_only:
+        trainer.step = state["step"]
+        trainer.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        trainer.data.load_state_dict(state["data"])
+        trainer.guards.state.load_state_dict(state["guards"])
+        trainer.lr_scale = state["lr_scale"]
+    return state["step"]
+
+
+def _trainer_state(trainer, step: int) -> dict:
+    return {
+        "step": step,
+        "kl_ctrl": trainer.kl_ctrl.state_dict(),
+        "data": trainer.data.state_dict(),
+        "guards": trainer.guards.state.state_dict(),
+        "lr_scale": trainer.lr_scale,
+    }
+
+
+def resume_point(run_dir: str | Path, resume: str) -> Path | None:
+    """trainer.resume: 'auto' -> newest complete checkpoint (or None), 'never' -> None, else a path."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        if dist.get_rank() == 0:
+            remove_leftovers(checkpoints_root(run_dir))  # temp dirs of a save that was killed
+        dist.barrier()
+        return latest_checkpoint(run_dir)
+    return Path(resume)
+
+
+# --- python -m megarl.checkpoint export --ckpt DIR --out DIR (alias: megarl.tools.export_hf) --------------
+
+
+def export_hf_main(argv=None) -> int:
+    """Write a checkpoint's actor (or critic) as a Hugging Face model directory that transformers loads."""
+    p = argparse.ArgumentParser(description="export a megarl checkpoint to a Hugging Face model directory")
+    p.add_argument("--ckpt", required=True, help="a checkpoint directory (run_dir/checkpoints/step_XXXXXXXX)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--role", choices=("actor", "critic"), default="actor")
+    p.add_argument("--model", help="the HF directory the run started from (default: model.path of the run's config)")
+    args = p.parse_args(argv)
+
+    import yaml
+
+    from megarl.engine.engine import EngineConfig, MegatronEngine
+    from megarl.models.weights import save_hf_checkpoint
+    from megarl.parallel import dims_from_env
+
+    ckpt = Path(args.ckpt)
+    if not (ckpt / "trainer.pt").is_file() or not (ckpt / args.role).is_dir():
+        print(f"error: {ckpt} is not a complete megarl checkpoint with a {args.role}/ directory", file=sys.stderr)
+        return 2
+    model_dir = args.model
+    if model_dir is None:
+        resolved = ckpt.parent.parent / "config.yaml"
+        if not resolved.is_file():
+            print(f"error: pass --model (no resolved config at {resolved})", file=sys.stderr)
+            return 2
+        model_dir = yaml.safe_load(resolved.read_text())["model"]["path"]
+    dims = dims_from_env().initialize()
+    critic = args.role == "critic"
+    engine = MegatronEngine(model_dir, dims, EngineConfig(), critic=critic, trainable=False)
+    engine.load(str(ckpt / args.role))
+    if critic:
+        from megarl.models.weights import export_hf
+
+        _save_stream(export_hf(engine.module, engine.spec, dims, critic=True), args.out, model_dir, dims)
+    else:
+        save_hf_checkpoint(engine.module, engine.spec, dims, args.out, model_dir)
+    if dims.rank == 0:
+        print(f"wrote {args.out}")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _save_stream(stream, out: str, model_dir: str, dims) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {name: t.cpu().contiguous() for name, t in stream}
+    if dims.rank == 0:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(Path(out) / "model.safetensors"), metadata={"format": "pt"})
+        import shutil
+
+        for f in Path(model_dir).iterdir():
+            if f.is_file() and f.suffix in (".json", ".txt", ".jinja") and not f.name.startswith("model"):
+                shutil.copy2(f, Path(out) / f.name)
+
+
+if __name__ == "__main__":
+    sys.exit(export_hf_main())
