@@ -1,0 +1,56 @@
+"""Helpers to run launch/ppo.py as a user would, on small settings."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def small_run_overrides(root: Path, run_dir: Path, **extra) -> list[str]:
+    """configs/tiny_cpu.yaml shrunk to a few cheap steps, with all paths under `root`."""
+    base = {
+        "model.path": str(root / "model"),
+        "data.train_files": f"[{root / 'train.parquet'}]",
+        "data.val_files": f"[{root / 'test.parquet'}]",
+        "data.arithmetic.train_size": 256,
+        "data.arithmetic.val_size": 16,
+        "data.prompts_per_step": 8,
+        "rollout.samples_per_prompt": 4,
+        "actor.ppo_mini_batches": 2,
+        "critic.ppo_mini_batches": 2,
+        "actor.ppo_epochs": 2,
+        "critic.ppo_epochs": 2,
+        "trainer.run_dir": str(run_dir),
+        "tracking.progress_bar": "false",
+        "trainer.save_every_steps": 0,
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def launch(nproc: int, overrides: list[str], config: str = "configs/tiny_cpu.yaml", timeout: int = 900) -> subprocess.CompletedProcess:
+    """Run the trainer; nproc 0 means plain `python launch/ppo.py` (one process, no torchrun)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    if nproc == 0:
+        cmd = [sys.executable, "launch/ppo.py", "--config", config, *overrides]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "launch/ppo.py", "--config", config, *overrides]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def launch_ok(nproc: int, overrides: list[str], **kw) -> subprocess.CompletedProcess:
+    proc = launch(nproc, overrides, **kw)
+    if proc.returncode != 0:
+        pytest.fail(f"launch/ppo.py exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
+    return proc
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "event" not in r]

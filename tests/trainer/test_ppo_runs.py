@@ -1,0 +1,95 @@
+"""launch/ppo.py end to end: resume equals an uninterrupted run, layouts agree, the demo learns."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from ppo_helpers import REPO, launch_ok, read_metrics, small_run_overrides
+
+pytestmark = pytest.mark.slow
+
+COMPARED = ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "actor/ppo_kl", "actor/grad_norm",
+            "critic/grad_norm", "actor/reward_kl_penalty", "critic/returns/mean", "actor/entropy")
+# (not critic/advantages/mean: whitened advantages average to zero, so only rounding noise is left)
+
+
+def _assert_close(a: list[dict], b: list[dict], rel: float, keys=COMPARED) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        for k in keys:
+            assert rb[k] == pytest.approx(ra[k], rel=rel, abs=1e-9), f"step {ra['step']} {k}: {ra[k]} vs {rb[k]}"
+
+
+def test_resume_equals_uninterrupted_run(tmp_path):
+    # KL in the reward (adaptive controller) so that its state must survive the resume too.
+    # Constant LR: the demo's cosine schedule spans trainer.total_steps, so a 2-step first half
+    # would otherwise run a different schedule than the 4-step reference.
+    extra = {"actor.optim.schedule": "constant", "critic.optim.schedule": "constant",
+             "algorithm.use_kl_in_reward": "true", "algorithm.kl_ctrl.type": "adaptive", "algorithm.kl_ctrl.kl_coef": 0.05,
+             "algorithm.kl_ctrl.target_kl": 0.01, "algorithm.kl_ctrl.horizon": 100}
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    launch_ok(2, small_run_overrides(tmp_path, straight, **{"trainer.total_steps": 4}, **extra))
+    launch_ok(2, small_run_overrides(tmp_path, split, **{"trainer.total_steps": 2, "trainer.save_every_steps": 2}, **extra))
+    # A save killed half-way leaves a temporary directory: resume must ignore it.
+    (split / "checkpoints" / "step_00000003.tmp-step3" / "actor").mkdir(parents=True)
+    proc = launch_ok(2, small_run_overrides(tmp_path, split, **{"trainer.total_steps": 4}, **extra))
+    assert "resumed from" in proc.stdout and "step_00000002" in proc.stdout
+    a, b = read_metrics(straight), read_metrics(split)
+    assert len(a) == len(b) == 4
+    _assert_close(a, b, rel=1e-6, keys=COMPARED + ("actor/reward_kl_penalty_coeff", "critic/values/mean"))
+    assert a[3]["actor/reward_kl_penalty_coeff"] != a[0]["actor/reward_kl_penalty_coeff"]  # the controller moved
+    assert not (split / "checkpoints" / "step_00000003.tmp-step3").exists()
+
+
+@pytest.mark.parametrize("nproc,tp,pp", [(2, 2, 1), (2, 1, 2), (2, 1, 1)], ids=["tp2", "pp2", "dp2"])
+def test_same_run_under_every_layout(tmp_path_factory, nproc, tp, pp, single_process_run):
+    root = single_process_run.parent
+    run_dir = tmp_path_factory.mktemp(f"layout_tp{tp}_pp{pp}")
+    launch_ok(nproc, small_run_overrides(root, run_dir, **{"trainer.total_steps": 2, "parallel.tp": tp, "parallel.pp": pp}))
+    _assert_close(read_metrics(single_process_run), read_metrics(run_dir), rel=1e-3)
+
+
+@pytest.fixture(scope="module")
+def single_process_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("layouts")
+    run_dir = root / "single"
+    launch_ok(0, small_run_overrides(root, run_dir, **{"trainer.total_steps": 2}))
+    return run_dir
+
+
+def test_demo_learns_and_is_tracked(tmp_path):
+    """The README's demo, as a new user runs it (only the paths moved into tmp_path)."""
+    run_dir = tmp_path / "run"
+    overrides = [f"trainer.run_dir={run_dir}", f"model.path={tmp_path / 'model'}",
+                 f"data.train_files=[{tmp_path / 'train.parquet'}]", f"data.val_files=[{tmp_path / 'test.parquet'}]",
+                 "tracking.progress_bar=false"]
+    launch_ok(2, overrides)
+    scores = [r["critic/score/mean"] for r in read_metrics(run_dir)]
+    first, last = sum(scores[:5]) / 5, sum(scores[-5:]) / 5
+    assert first <= 0.3, scores
+    assert last >= 0.8, scores
+
+    # MLflow without a server: the run, its params and metrics are in the run directory.
+    import mlflow
+
+    from megarl.tracking import default_tracking_uri
+
+    mlflow.set_tracking_uri(default_tracking_uri(run_dir))
+    runs = mlflow.search_runs(experiment_names=["megarl-demo"])
+    assert len(runs) == 1
+    assert runs["params.actor.optim.lr"].iloc[0] == "0.001"
+    assert runs["metrics.critic/score/mean"].iloc[0] == pytest.approx(scores[-1])
+
+    # The final checkpoint exports to a directory transformers loads.
+    ckpt = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    out = tmp_path / "hf"
+    subprocess.run([sys.executable, "-m", "megarl.tools.export_hf", "--ckpt", str(ckpt), "--out", str(out)],
+                   cwd=REPO, check=True, capture_output=True, timeout=300)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.num_hidden_layers == 2
