@@ -1,0 +1,123 @@
+"""Atomic checkpoint directories: a checkpoint is either complete or invisible.
+
+A checkpoint is written into `<final>.tmp-<token>` and renamed to `<final>` only after every
+writer finished; a `COMPLETE` marker inside records that. A crash mid-write leaves a temp
+directory that no reader considers, and never touches an older good checkpoint.
+
+Several ranks write into one checkpoint (Megatron dist_checkpointing), so the protocol takes a
+`barrier` callable instead of importing torch.distributed:
+
+    rank 0: remove a leftover temp dir, create it         | barrier
+    all   : write their shards                            | barrier
+    rank 0: write COMPLETE, rename into place             | barrier
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+COMPLETE = "COMPLETE"
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+_LEFTOVER = re.compile(r"^step_\d{8}\.(tmp|old)-")
+
+
+def step_dir(run_dir: str | os.PathLike, step: int) -> Path:
+    """<run_dir>/step_00000042."""
+    return Path(run_dir) / f"step_{step:08d}"
+
+
+def checkpoint_step(path: str | os.PathLike) -> int:
+    """42 for .../step_00000042."""
+    m = _STEP_DIR.match(Path(path).name)
+    if not m:
+        raise ValueError(f"{path} is not a checkpoint directory named step_XXXXXXXX")
+    return int(m.group(1))
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    return (Path(path) / COMPLETE).is_file()
+
+
+def complete_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Complete step_XXXXXXXX directories of a run, oldest first."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = [p for p in run_dir.iterdir() if _STEP_DIR.match(p.name) and p.is_dir() and is_complete(p)]
+    return sorted(found, key=checkpoint_step)
+
+
+def latest_complete_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint of a run, or None."""
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+@contextmanager
+def atomic_dir(final_path: str | os.PathLike, *, rank: int = 0, barrier: Callable[[], None] | None = None,
+               token: str | None = None) -> Iterator[Path]:
+    """Yield a temp dir to write into; on success it becomes `final_path` (with a COMPLETE marker).
+
+    Single process: leave `barrier` None. Several ranks: every rank calls this with the same
+    `final_path`, the same `token` (default "shared") and a barrier over all writers. On an
+    exception in the body, rank 0 removes the temp dir; the exception propagates.
+    """
+    final = Path(final_path)
+    if barrier is None:
+        token = token or secrets.token_hex(4)
+    tmp = final.with_name(f"{final.name}.tmp-{token or 'shared'}")
+    sync = barrier or (lambda: None)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crashed attempt with this token
+        tmp.mkdir(parents=True)
+    sync()
+    try:
+        yield tmp
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    sync()  # every rank has finished writing
+    if rank == 0:
+        (tmp / COMPLETE).write_text(json.dumps({"time": time.time()}) + "\n")
+        _replace_dir(tmp, final)
+    sync()  # nobody reads or cleans up before the checkpoint is in place
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Rename tmp to final; an existing final is moved aside first and removed last."""
+    if not final.exists():
+        os.rename(tmp, final)
+        return
+    old = final.with_name(f"{final.name}.old-{secrets.token_hex(4)}")
+    os.rename(final, old)
+    os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def cleanup_old_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
+    """Delete complete checkpoints beyond the newest `keep_last` (0 = keep all); rank 0 only."""
+    if keep_last <= 0:
+        return []
+    doomed = complete_checkpoints(run_dir)[:-keep_last]
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
+
+
+def remove_leftovers(run_dir: str | os.PathLike) -> list[Path]:
+    """Delete temp / moved-aside dirs of interrupted saves; rank 0 at start-up, before any save."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    leftovers = [p for p in run_dir.iterdir() if _LEFTOVER.match(p.name) and p.is_dir()]
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+    return leftovers

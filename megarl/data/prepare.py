@@ -1,0 +1,132 @@
+"""Write prompt datasets as Parquet: columns prompt, ground_truth, data_source, extra (JSON text).
+
+Used by `launch/prepare_data.py` and by `data.auto_prepare` (the demo writes its own data).
+Files are written to a temporary name and renamed, so ranks that prepare concurrently, or a
+crash mid-write, never leave a truncated file behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from megarl.data.arithmetic import ArithmeticTask
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_GSM8K_DIR = REPO_ROOT.parent / "shared" / "data" / "gsm8k"
+# The instruction of verl's examples/data_preprocess/gsm8k.py, so rewards and numbers compare.
+GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+GSM8K_DATA_SOURCE = "openai/gsm8k"
+_VAL_INDEX_OFFSET = 10**9  # arithmetic validation rows are drawn from a disjoint index range
+
+
+def write_parquet(rows: list[dict], path: str | os.PathLike) -> None:
+    """Write rows {prompt, ground_truth, data_source, extra: dict} atomically to `path`."""
+    table = pa.table({
+        "prompt": pa.array([r["prompt"] for r in rows], pa.string()),
+        "ground_truth": pa.array([str(r["ground_truth"]) for r in rows], pa.string()),
+        "data_source": pa.array([r["data_source"] for r in rows], pa.string()),
+        "extra": pa.array([json.dumps(r.get("extra", {}), sort_keys=True) for r in rows], pa.string()),
+    })
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+
+
+def gsm8k_final_answer(answer: str) -> str:
+    """'... #### 1,234' -> '1234' (the reference solution's final number)."""
+    if "####" not in answer:
+        raise ValueError("no '####' in GSM8K answer")
+    return answer.split("####")[-1].strip().replace(",", "")
+
+
+def read_gsm8k_jsonl(path: str | os.PathLike, split: str) -> list[dict]:
+    """Rows from a GSM8K JSONL file (one {"question", "answer"} object per line)."""
+    rows = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+                question, answer = item["question"], item["answer"]
+                truth = gsm8k_final_answer(answer)
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"{path}:{lineno}: not a GSM8K record with 'question' and an 'answer' "
+                                 f"ending in '#### <number>' ({type(e).__name__}: {e})") from None
+            rows.append({"prompt": f"{question} {GSM8K_INSTRUCTION}", "ground_truth": truth,
+                         "data_source": GSM8K_DATA_SOURCE,
+                         "extra": {"split": split, "index": len(rows), "question": question, "answer": answer}})
+    return rows
+
+
+def gsm8k_sources(input_path: str | os.PathLike | None = None) -> dict[str, Path]:
+    """{'train': ..., 'test': ...} JSONL files: a directory with train.jsonl / test.jsonl, or one
+    .jsonl file (used as train); None = ../shared/data/gsm8k next to the repository."""
+    source = Path(input_path) if input_path is not None else DEFAULT_GSM8K_DIR
+    if source.is_file():
+        return {"train": source}
+    splits = {s: source / f"{s}.jsonl" for s in ("train", "test") if (source / f"{s}.jsonl").is_file()}
+    if "train" not in splits:
+        raise ValueError(f"GSM8K input not found: no {source / 'train.jsonl'} "
+                         f"(give a directory with train.jsonl and test.jsonl, or one .jsonl file)")
+    return splits
+
+
+def prepare_gsm8k(out_dir: str | os.PathLike, input_path: str | os.PathLike | None = None) -> dict[str, Path]:
+    """GSM8K JSONL -> <out_dir>/{train,test}.parquet (test only when the input has it)."""
+    written = {}
+    for split, path in gsm8k_sources(input_path).items():
+        written[split] = Path(out_dir) / f"{split}.parquet"
+        write_parquet(read_gsm8k_jsonl(path, split), written[split])
+    return written
+
+
+def arithmetic_rows(task: ArithmeticTask, count: int, split: str) -> list[dict]:
+    """`count` rows of the task; train and test draw from disjoint index ranges."""
+    offset = 0 if split == "train" else _VAL_INDEX_OFFSET
+    rows = [task.sample(offset + i) for i in range(count)]
+    for row in rows:
+        row["extra"]["split"] = split
+    return rows
+
+
+def prepare_arithmetic(out_dir: str | os.PathLike, kind: str = "copy", num_digits: int = 3,
+                       train_size: int = 20000, val_size: int = 512) -> dict[str, Path]:
+    """The generated demo task -> <out_dir>/{train,test}.parquet."""
+    task = ArithmeticTask(kind=kind, num_digits=num_digits)
+    written = {"train": Path(out_dir) / "train.parquet", "test": Path(out_dir) / "test.parquet"}
+    write_parquet(arithmetic_rows(task, train_size, "train"), written["train"])
+    write_parquet(arithmetic_rows(task, val_size, "test"), written["test"])
+    return written
+
+
+def prepare_if_missing(data_cfg) -> bool:
+    """`data.auto_prepare`: write train_files[0] (and val_files[0]) when train_files[0] is missing.
+
+    Returns True when it wrote files. Safe to call on every rank (atomic renames), though rank 0
+    then a barrier saves the duplicate work.
+    """
+    if data_cfg.auto_prepare is None or os.path.exists(data_cfg.train_files[0]):
+        return False
+    targets = {"train": data_cfg.train_files[0]}
+    if data_cfg.val_files:
+        targets["test"] = data_cfg.val_files[0]
+    if data_cfg.auto_prepare == "arithmetic":
+        a = data_cfg.arithmetic
+        task, sizes = ArithmeticTask(kind=a.kind, num_digits=a.num_digits), {"train": a.train_size, "test": a.val_size}
+        rows = {split: arithmetic_rows(task, sizes[split], split) for split in targets}
+    else:
+        sources = gsm8k_sources(data_cfg.gsm8k_source)
+        missing = [split for split in targets if split not in sources]
+        if missing:
+            raise ValueError(f"data.auto_prepare=gsm8k: no {missing[0]}.jsonl next to {sources['train']}")
+        rows = {split: read_gsm8k_jsonl(sources[split], split) for split in targets}
+    for split, path in targets.items():
+        write_parquet(rows[split], path)
+    return True

@@ -1,0 +1,85 @@
+"""metrics.jsonl, MLflow without a server, events, resume (megarl.tracking)."""
+from __future__ import annotations
+
+import json
+
+from megarl.config import TrackingConfig, flatten, load_config
+from megarl.tracking import METRICS_FILE, Tracker, default_tracking_uri
+
+BASE = ["model.path=/tmp/model", "data.train_files=[/tmp/train.parquet]"]
+
+
+def _lines(run_dir):
+    return [json.loads(ln) for ln in (run_dir / METRICS_FILE).read_text().splitlines()]
+
+
+def _fake_step(step):
+    return {"critic/score/mean": 0.1 * step, "actor/pg_loss": -0.01 * step, "actor/ppo_kl": 0.001}
+
+
+def test_fake_run_is_found_by_mlflow_search_runs_and_resumes_into_the_same_run(tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.chdir(tmp_path)  # a store created in the working directory by mistake would show here
+
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, BASE + [f"trainer.run_dir={run_dir}", "tracking.experiment=megarl-test"])
+    params = flatten(cfg)
+    tracker = Tracker(cfg.tracking, run_dir, total_steps=5, params=params)
+    for step in (1, 2, 3):
+        tracker.log(_fake_step(step), step)
+    tracker.event("kl_guard", 3, kl=2.5, action="raise_coef")
+    tracker.close()
+    first_id = tracker.run_id
+
+    # Resume from a checkpoint at step 2: step 3 is logged again, once.
+    tracker = Tracker(cfg.tracking, run_dir, total_steps=5, start_step=3, resume=True, params=params)
+    assert tracker.run_id == first_id
+    for step in (3, 4, 5):
+        tracker.log(_fake_step(step), step)
+    tracker.close()
+
+    lines = _lines(run_dir)
+    assert [ln["step"] for ln in lines] == [1, 2, 3, 4, 5]
+    assert lines[0] == {"step": 1, **_fake_step(1)}
+
+    mlflow.set_tracking_uri(default_tracking_uri(run_dir))
+    runs = mlflow.search_runs(experiment_names=["megarl-test"], output_format="list")
+    assert [r.info.run_id for r in runs] == [first_id]
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.params["actor.optim.lr"] == "1e-06" and run.data.params["rollout.engine"] == "hf"
+    assert run.data.metrics["critic/score/mean"] == 0.5  # latest value
+    assert "event/kl_guard/step_3" in run.data.tags
+    history = mlflow.MlflowClient(default_tracking_uri(run_dir)).get_metric_history(first_id, "critic/score/mean")
+    assert sorted({m.step for m in history}) == [1, 2, 3, 4, 5]
+    assert (run_dir / "mlflow.db").exists()
+    assert not (tmp_path / "mlruns").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_jsonl_only_and_non_zero_ranks(tmp_path):
+    cfg = TrackingConfig(mlflow=False, progress_bar=False)
+    quiet = Tracker(cfg, tmp_path / "r", rank=1)
+    quiet.log({"x": 1.0}, 1)
+    quiet.event("e", 1)
+    quiet.close()
+    assert not (tmp_path / "r").exists()
+
+    tracker = Tracker(cfg, tmp_path / "r")
+    tracker.log({"a": 1, "nan": float("nan")}, 1)
+    tracker.event("grad_norm_guard", 1, grad_norm=1e9)
+    tracker.close()
+    assert _lines(tmp_path / "r") == [{"step": 1, "a": 1.0, "nan": None},
+                                      {"step": 1, "event": "grad_norm_guard", "grad_norm": 1e9}]
+
+    # A line cut short by a crash is dropped on restart.
+    with open(tmp_path / "r" / METRICS_FILE, "a") as f:
+        f.write('{"step": 2, "a": 1.')
+    Tracker(cfg, tmp_path / "r", start_step=2).close()
+    assert len(_lines(tmp_path / "r")) == 2
+
+    # A fresh (not resumed) start in the same directory begins the file again.
+    tracker = Tracker(cfg, tmp_path / "r", start_step=0)
+    tracker.log({"a": 2.0}, 1)
+    tracker.close()
+    assert _lines(tmp_path / "r") == [{"step": 1, "a": 2.0}]
