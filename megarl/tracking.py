@@ -65,7 +65,8 @@ class Tracker:
             self._start_mlflow(dict(params or {}), resume)
         if cfg.progress_bar:
             from tqdm import tqdm
-            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+            # start_step is the first step this process logs: that many minus one are already done.
+            self._bar = tqdm(total=total_steps, initial=max(start_step - 1, 0), unit="step", dynamic_ncols=True)
 
     # ---- public API ---------------------------------------------------------------------------
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
