@@ -85,7 +85,12 @@ class Trainer:
             ground_truth_key=cfg.data.ground_truth_key, tokenizer=self.tokenizer,
             max_prompt_tokens=cfg.data.max_prompt_tokens, apply_chat_template=cfg.data.apply_chat_template,
             log=log if dims.rank == 0 else (lambda _: None))
-        self.reward_fn = build_reward_fn(cfg.reward)
+        reward_model = None
+        if cfg.reward.kind == "model":
+            from megarl.rewards.model import RewardModel
+
+            reward_model = RewardModel(cfg.reward.model_path, dims, dtype=cfg.model.dtype)
+        self.reward_fn = build_reward_fn(cfg.reward, reward_model)
 
         alg = cfg.algorithm
         self.uses_critic = alg.adv_estimator == "gae"
