@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -157,10 +158,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv=None) -> None:
-    out = _make(_parser().parse_args(argv))
+def main(argv=None) -> int:
+    try:
+        out = _make(_parser().parse_args(argv))
+    except ValueError as err:
+        print(f"make_tiny_model: {err}", file=sys.stderr)
+        return 2
     print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
