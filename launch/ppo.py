@@ -109,6 +109,9 @@ def main(argv=None) -> int:
         while trainer.step < cfg.trainer.total_steps:
             trainer.step += 1
             metrics = trainer.ppo_step()
+            val_every = cfg.trainer.val_every_steps
+            if trainer.val_data is not None and (trainer.step % val_every == 0 or trainer.step == cfg.trainer.total_steps):
+                metrics.update(trainer.validate())
             tracker.log(metrics, step=trainer.step)
             for name, fields in trainer._pending_events:
                 tracker.event(name, step=trainer.step, **fields)

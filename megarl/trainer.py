@@ -46,7 +46,7 @@ def engine_config(cfg: Config, role: str, total_steps: int) -> EngineConfig:
                         total_steps=total_steps * updates_per_step)
     return EngineConfig(dtype=cfg.model.dtype, optim=optim, max_tokens_per_microbatch=r.max_tokens_per_microbatch,
                         param_offload=r.param_offload, grad_offload=r.grad_offload, optimizer_offload=r.optimizer_offload,
-                        recompute=r.recompute != "none")
+                        recompute=r.recompute)
 
 
 @dataclass
@@ -107,9 +107,14 @@ class Trainer:
         # Rollout engine + the 3D-HybridEngine that feeds it the actor's weights.
         r = cfg.rollout
         group, group_ranks, group_rank = consecutive_rollout_group(r.tp)
+        engine_options = {
+            "hf": {},
+            "vllm": {"gpu_memory_utilization": r.gpu_memory_utilization, "max_model_len": cfg.data.max_prompt_tokens + r.max_new_tokens},
+            "sglang": {"mem_fraction_static": r.gpu_memory_utilization},
+        }[r.engine]
         self.rollout = build_rollout_engine(r.engine, cfg.model.path, tp=r.tp, seed=t.seed,
                                             device=str(self.actor.device), dtype=self.actor.module.config.params_dtype,
-                                            group=group, group_ranks=group_ranks)
+                                            group=group, group_ranks=group_ranks, **engine_options)
         mappings = {m.name: m for m in weight_mappings(self.actor.spec, dims.tp)}
         convert = lambda name, full: to_hf(mappings[name], full)  # noqa: E731
         self.hybrid = HybridEngine(self._actor_shards(), train=TrainLayout(tp=dims.tp, pp=dims.pp, dp=dims.dp, ep=dims.ep),
@@ -119,6 +124,13 @@ class Trainer:
         stop = tuple(r.stop_token_ids) + ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self.sampling = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
                                        top_k=max(r.top_k, 0), max_new_tokens=r.max_new_tokens, stop_token_ids=stop, seed=t.seed)
+        self.val_data = None
+        if t.val_every_steps and cfg.data.val_files:
+            self.val_data = PromptDataset(
+                cfg.data.val_files, prompts_per_step=cfg.data.prompts_per_step, dp_rank=dims.dp_rank, dp_size=dims.dp,
+                seed=t.seed, shuffle=False, prompt_key=cfg.data.prompt_key, ground_truth_key=cfg.data.ground_truth_key,
+                tokenizer=self.tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens,
+                apply_chat_template=cfg.data.apply_chat_template, log=lambda _: None)
         self.guards = Guards(cfg.guards)
         self.step = 0
         self.lr_scale = 1.0
@@ -131,7 +143,7 @@ class Trainer:
 
         with clock("timing_s/sync"):
             sync = self.hybrid.sync(self.rollout, self._actor_shards())
-            self._offload_all()
+            offloaded = self._offload_all()
         with clock("timing_s/gen"):
             ro = self._generate()
             self.rollout.release_memory()
@@ -197,6 +209,8 @@ class Trainer:
             "training/hybrid_sync_bytes": float(sync.bytes_received),
             "training/hybrid_sync_peak_bytes": float(sync.peak_extra_bytes),
             "training/data_dropped_prompts": float(self.data.num_dropped),
+            "perf/offload_bytes": float(offloaded),
+            **_memory_metrics(),
             **self._rollout_gap(ro, b.tensors["old_logprobs"], mask),
             **timing,
         })
@@ -207,7 +221,27 @@ class Trainer:
         metrics["timing_s/step"] = step_time
         metrics["perf/throughput"] = tokens / max(step_time, 1e-9) / self.dims.world_size
         self._pending_events = verdict.events + after.events
+        for name, _ in self._pending_events:  # each guard firing is a metric as well as an event
+            metrics[name] = metrics.get(name, 0.0) + 1.0
         return metrics
+
+    def validate(self) -> dict[str, float]:
+        """Greedy responses to the next prompts_per_step validation prompts, scored: val/score/mean."""
+        from dataclasses import replace
+
+        from megarl.hybrid.dispatch import generate_for_training
+        from megarl.rollout.base import RolloutRequest
+
+        self.hybrid.sync(self.rollout, self._actor_shards())  # the weights after this step's update
+        self._offload_all()
+        rows = self.val_data.next_step()
+        requests = [RolloutRequest(tuple(r.prompt_ids), prompt_index=r.global_index, step=self.step) for r in rows]
+        results = generate_for_training(self.rollout, requests, replace(self.sampling, n=1, temperature=0.0), self.dispatch)
+        self.rollout.release_memory()
+        texts = [self.tokenizer.decode(r.response_token_ids, skip_special_tokens=True) for r in results]
+        scores = self.reward_fn([r.prompt for r in rows], texts, [r.ground_truth for r in rows],
+                                [r.data_source for r in rows], [r.extra for r in rows])
+        return {"val/score/mean": self._global_mean(torch.tensor(scores, dtype=torch.float64))}
 
     # --- phases ---------------------------------------------------------------------------------
     def _actor_shards(self):
@@ -372,10 +406,9 @@ class Trainer:
             if latest is not None:
                 restore(self, latest, weights_only=True)
 
-    def _offload_all(self) -> None:
-        for engine in (self.actor, self.critic, self.ref):
-            if engine is not None:
-                engine.offload()
+    def _offload_all(self) -> int:
+        """Training state out of the way of the rollout (as configured); returns bytes moved."""
+        return sum(sum(engine.offload().values()) for engine in (self.actor, self.critic, self.ref) if engine is not None)
 
     # --- cross-rank reductions over the data-parallel group ---------------------------------------
     def _shuffle_seed(self, role: int) -> int:
@@ -445,6 +478,15 @@ def _local_loss_value(loss: torch.Tensor, totals: dict, mb: dict) -> float:
     engine's token-weighted average over micro-batches gives back the mini-batch loss."""
     tokens = float(mb["response_mask"].sum())
     return float(loss.detach()) * float(totals["tokens"]) / max(tokens, 1.0)
+
+
+def _memory_metrics() -> dict[str, float]:
+    import psutil
+
+    out = {"perf/cpu_rss_gb": psutil.Process().memory_info().rss / 2**30}
+    if torch.cuda.is_available():
+        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
 
 
 def _mean(xs: list[float]) -> float:

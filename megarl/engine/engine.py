@@ -51,7 +51,7 @@ class EngineConfig:
     param_offload: bool = False
     grad_offload: bool = False
     optimizer_offload: bool = False
-    recompute: bool = False
+    recompute: str = "none"  # none | selective (core attention) | full (every layer)
 
 
 # loss_fn(outputs, micro_batch_tensors, totals) -> (loss contribution, {metric: value})
@@ -74,7 +74,7 @@ class MegatronEngine:
         from megarl.models import load_model
 
         self.dims, self.cfg, self.critic, self.trainable, self.seed = dims, cfg, critic, trainable, seed
-        self.model, self.spec = load_model(model_dir, dims, dtype=cfg.dtype, critic=critic)
+        self.model, self.spec = load_model(model_dir, dims, dtype=cfg.dtype, critic=critic, recompute=cfg.recompute)
         self.model_dir = model_dir
         self.optimizer = self.scheduler = None
         self.optimizer_steps = 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def load_model(model_dir: str | Path, dims, dtype: str = "float32", critic: bool = False):
+def load_model(model_dir: str | Path, dims, dtype: str = "float32", critic: bool = False, recompute: str = "none"):
     """Build this rank's chunk of the model for `dims` and fill it from the HF checkpoint.
 
     Returns (model, spec). `critic=True` swaps the LM head for a scalar value head.
@@ -14,7 +14,7 @@ def load_model(model_dir: str | Path, dims, dtype: str = "float32", critic: bool
     from megarl.models.weights import load_hf_weights
 
     spec = load_spec(model_dir)
-    model = build_gpt_model(spec, dims, dtype=parse_dtype(dtype), value_head=critic)
+    model = build_gpt_model(spec, dims, dtype=parse_dtype(dtype), value_head=critic, recompute=recompute)
     if critic:
         from megarl.models.critic import attach_value_head
 

@@ -29,7 +29,7 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def build_transformer_config(spec: ModelSpec, dims: ParallelDims, dtype: torch.dtype = torch.float32, recompute: bool = False):
+def build_transformer_config(spec: ModelSpec, dims: ParallelDims, dtype: torch.dtype = torch.float32, recompute: str = "none"):
     """The TransformerConfig that makes Megatron compute what `transformers` computes for `spec`."""
     from megatron.core.transformer import TransformerConfig
 
@@ -99,9 +99,10 @@ def build_transformer_config(spec: ModelSpec, dims: ParallelDims, dtype: torch.d
         # Every micro-batch of one schedule call is padded to one length (see engine), so pipeline
         # p2p shapes are fixed; the allgather MoE dispatcher (used on CPU) also requires this.
         variable_seq_lengths=False,
-        recompute_granularity="full" if recompute else None,
-        recompute_method="uniform" if recompute else None,
-        recompute_num_layers=1 if recompute else None,
+        # "selective" recomputes core attention only; "full" recomputes every layer's forward.
+        recompute_granularity=None if recompute == "none" else recompute,
+        recompute_method="uniform" if recompute == "full" else None,
+        recompute_num_layers=1 if recompute == "full" else None,
         **moe,
     )
     cpu_compat.require_finalize_model_grads(config)  # seam 8 (harmless on GPU as well)
@@ -121,7 +122,7 @@ def layer_spec(spec: ModelSpec, use_te: bool | None = None):
     return get_gpt_layer_local_spec(num_experts=spec.num_experts, qk_layernorm=spec.qk_norm, normalization="RMSNorm")
 
 
-def build_gpt_model(spec: ModelSpec, dims: ParallelDims, config=None, dtype: torch.dtype = torch.float32, vp_stage: int | None = None, value_head: bool = False):
+def build_gpt_model(spec: ModelSpec, dims: ParallelDims, config=None, dtype: torch.dtype = torch.float32, vp_stage: int | None = None, value_head: bool = False, recompute: str = "none"):
     """This rank's pipeline-stage chunk of the model, on the platform's device, weights uninitialised.
 
     value_head=True builds a critic backbone: the output layer is never tied to the embedding,
@@ -130,7 +131,7 @@ def build_gpt_model(spec: ModelSpec, dims: ParallelDims, config=None, dtype: tor
     from megatron.core.models.gpt import GPTModel
     from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
 
-    config = config or build_transformer_config(spec, dims, dtype)
+    config = config or build_transformer_config(spec, dims, dtype, recompute)
     pp_group = dims.pp_group
     model = GPTModel(
         config=config,
