@@ -214,3 +214,33 @@ def dims_from_env(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int |
     """ParallelDims for the world torchrun started (WORLD_SIZE), or a world of one."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     return ParallelDims(world_size=world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vpp=vpp)
+
+
+# --- collectives on small host tensors ----------------------------------------------------------
+# Metrics, counts and per-token tensors live on the host, but NCCL only moves device tensors: these
+# helpers take the detour through the platform's device (a no-op on CPU / gloo).
+
+
+def _comm_device() -> torch.device:
+    from megarl.platform import current_platform
+
+    return current_platform().device
+
+
+def all_reduce_host(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    x = t.to(_comm_device())
+    dist.all_reduce(x, op=op, group=group)
+    return x.cpu()
+
+
+def all_gather_host(t: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+    x = t.contiguous().to(_comm_device())
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x, group=group)
+    return [p.cpu() for p in parts]
+
+
+def broadcast_host(t: torch.Tensor, src: int, group) -> torch.Tensor:
+    x = t.contiguous().to(_comm_device())
+    dist.broadcast(x, src=src, group=group)
+    return x.cpu()

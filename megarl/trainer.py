@@ -29,7 +29,7 @@ from megarl.config import Config
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
 from megarl.guards import Guards
-from megarl.parallel import ParallelDims
+from megarl.parallel import ParallelDims, all_gather_host, all_reduce_host
 
 
 def engine_config(cfg: Config, role: str, total_steps: int) -> EngineConfig:
@@ -383,12 +383,10 @@ class Trainer:
         compare_logprobs(ro.rollout_logprobs, actor_logprobs, mask, atol=atol)
 
     def _rollout_gap(self, ro: Rollout, actor_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-        from megarl.hybrid.verify import rollout_probs_diff_metrics
-
-        local = rollout_probs_diff_metrics(ro.rollout_logprobs, actor_logprobs, mask)
+        # verl's definition (|p_rollout - p_actor| per token), reduced over the global batch.
         diff = (ro.rollout_logprobs.exp() - actor_logprobs.exp()).abs() * mask
         return {"training/rollout_probs_diff_mean": self._global_masked_mean(diff, mask),
-                "training/rollout_probs_diff_max": self._global_max(diff.max().reshape(1)) if local else 0.0}
+                "training/rollout_probs_diff_max": self._global_max(diff.reshape(-1))}
 
     def _apply_guard_actions(self, verdict) -> None:
         if verdict.halve_lr:
@@ -420,35 +418,30 @@ class Trainer:
     def _gather_dp(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.dims.dp == 1:
             return tensors
-        out = {}
-        for k, t in tensors.items():
-            parts = [torch.empty_like(t) for _ in range(self.dims.dp)]
-            dist.all_gather(parts, t.contiguous(), group=self.dims.dp_group)
-            out[k] = torch.cat(parts)
-        return out
+        return {k: torch.cat(all_gather_host(t, self.dims.dp_group, self.dims.dp)) for k, t in tensors.items()}
 
     def _global_sum(self, x: torch.Tensor) -> float:
         t = x.detach().double().sum().reshape(1)
         if self.dims.dp > 1:
-            dist.all_reduce(t, group=self.dims.dp_group)
+            t = all_reduce_host(t, self.dims.dp_group)
         return float(t)
 
     def _global_mean(self, x: torch.Tensor) -> float:
         t = torch.tensor([x.double().sum(), x.numel()], dtype=torch.float64)
         if self.dims.dp > 1:
-            dist.all_reduce(t, group=self.dims.dp_group)
+            t = all_reduce_host(t, self.dims.dp_group)
         return float(t[0] / t[1].clamp_min(1))
 
     def _global_masked_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
         t = torch.tensor([(x.double() * mask).sum(), mask.sum()], dtype=torch.float64)
         if self.dims.dp > 1:
-            dist.all_reduce(t, group=self.dims.dp_group)
+            t = all_reduce_host(t, self.dims.dp_group)
         return float(t[0] / t[1].clamp_min(1))
 
     def _global_max(self, x: torch.Tensor) -> float:
         t = x.detach().double().max().reshape(1) if x.numel() else torch.tensor([float("-inf")], dtype=torch.float64)
         if self.dims.dp > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dims.dp_group)
+            t = all_reduce_host(t, self.dims.dp_group, op=dist.ReduceOp.MAX)
         return float(t)
 
     def _explained_variance(self, returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> float:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megarl.engine.batch import SequenceBatch, response_positions
 from megarl.engine.forward import pad_right, pipeline_forward
 from megarl.models.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
-from megarl.parallel import ParallelDims
+from megarl.parallel import ParallelDims, all_reduce_host, broadcast_host
 
 
 # The distributed optimizer's one format that reshards across TP, PP *and* DP in Megatron-Core 0.16
@@ -151,7 +151,7 @@ class MegatronEngine:
         local_len = max((len(batch.input_ids[r]) for r in rows), default=2)
         stats = torch.tensor([local_len, len(rows)], dtype=torch.long)
         if self.dims.dp > 1:
-            dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.dims.dp_group)
+            stats = all_reduce_host(stats, self.dims.dp_group, op=dist.ReduceOp.MAX)
         seq_len, max_rows = int(stats[0]), int(stats[1])
         mbs = max(1, min(max_rows, self.cfg.max_tokens_per_microbatch // seq_len))
         return seq_len, mbs, max(1, math.ceil(max_rows / mbs))
@@ -170,12 +170,10 @@ class MegatronEngine:
                 "positions": response_positions(prompt_lens, batch.response_len, seq_len),
                 "rows": chunk,
             }
-            for name in fields:
+            for name in dict.fromkeys(fields + ("response_mask",)):
                 t = batch.tensors[name]
-                mb[name] = torch.stack([t[r] if r is not None else torch.zeros_like(t[0]) for r in chunk])
-            if "response_mask" not in fields:
-                rm = batch.tensors["response_mask"]
-                mb["response_mask"] = torch.stack([rm[r] if r is not None else torch.zeros_like(rm[0]) for r in chunk])
+                rows_of = [t[r] if r is not None else torch.zeros_like(t[0]) for r in chunk]
+                mb[name] = torch.stack(rows_of).to(self.device)
             out.append(mb)
         return out
 
@@ -309,16 +307,16 @@ class MegatronEngine:
     def _global_count(self, local: int) -> int:
         t = torch.tensor([local], dtype=torch.long)
         if self.dims.dp > 1:
-            dist.all_reduce(t, group=self.dims.dp_group)
+            t = all_reduce_host(t, self.dims.dp_group)
         return int(t)
 
-    def _totals(self, batch: SequenceBatch, rows: list[int]) -> dict[str, torch.Tensor]:
+    def _totals(self, batch: SequenceBatch, rows: list[int]) -> dict[str, float]:
         """Valid tokens and non-empty sequences in the whole mini-batch (summed over DP)."""
         mask = batch.response_mask[rows] if rows else batch.response_mask[:0]
         t = torch.tensor([mask.sum().item(), (mask.sum(-1) > 0).sum().item()], dtype=torch.float64)
         if self.dims.dp > 1:
-            dist.all_reduce(t, group=self.dims.dp_group)
-        return {"tokens": t[0], "seqs": t[1]}
+            t = all_reduce_host(t, self.dims.dp_group)
+        return {"tokens": float(t[0]), "seqs": float(t[1])}
 
     def _reduce_metrics(self, sums: dict[str, float], weight: float) -> dict[str, float]:
         """Token-weighted means over micro-batches and DP ranks, then from the last stage to all."""
@@ -331,9 +329,9 @@ class MegatronEngine:
             keys = box[0]
             if not self.dims.is_last_stage:
                 t = torch.zeros(1 + len(keys), dtype=torch.float64)
-            dist.broadcast(t, src=src, group=self.dims.pp_group)
+            t = broadcast_host(t, src, self.dims.pp_group)
         if self.dims.dp > 1:
-            dist.all_reduce(t, group=self.dims.dp_group)
+            t = all_reduce_host(t, self.dims.dp_group)
         total = max(float(t[0]), 1e-12)
         return {k: float(v) / total for k, v in zip(keys, t[1:])}
 

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megarl.parallel import ParallelDims
+from megarl.parallel import ParallelDims, broadcast_host
 
 # compute(output, micro_batch) -> {name: tensor [micro_batch, ...]}; output is the last stage's
 # model output: vocab-parallel logits [b, s, vocab/tp] (or values [b, s, 1] for a critic).
@@ -86,8 +86,7 @@ def broadcast_from_last_stage(store: list[dict], dims: ParallelDims, count: int)
     for i in range(count):
         entry = {}
         for key, shape, dtype in header[i]:
-            t = store[i][key].contiguous() if dims.is_last_stage else torch.empty(shape, dtype=dtype)
-            dist.broadcast(t, src=src, group=dims.pp_group)
-            entry[key] = t
+            t = store[i][key] if dims.is_last_stage else torch.empty(shape, dtype=dtype)
+            entry[key] = broadcast_host(t, src, dims.pp_group)
         out.append(entry)
     return out

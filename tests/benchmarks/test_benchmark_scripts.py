@@ -1,0 +1,20 @@
+"""The benchmark scripts run end to end on small CPU settings and write their JSON."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_actor_mfu_tiny(tmp_path):
+    out = tmp_path / "mfu.json"
+    subprocess.run([sys.executable, "benchmarks/actor_mfu.py", "--preset", "tiny", "--iters", "1", "--out", str(out)],
+                   cwd=REPO, check=True, capture_output=True, timeout=600)
+    result = json.loads(out.read_text())
+    assert result["params"] > 100_000 and result["tokens_per_second"] > 0 and result["model_tflops_per_gpu"] > 0
