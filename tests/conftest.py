@@ -43,3 +43,25 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
         arch: make_model(root / arch, arch, vocab_size=301, tie=(arch == "llama"), seed=FAMILIES.index(arch))
         for arch in FAMILIES
     }
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """ParallelDims(world_size=1) initialised on gloo in this process; env and groups restored after."""
+    import torch.distributed as dist
+
+    from megarl.parallel import ParallelDims, _free_port
+
+    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    started = not dist.is_initialized()
+    dims = ParallelDims(world_size=1).initialize()
+    yield dims
+    dims.destroy()
+    if started:
+        dist.destroy_process_group()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

@@ -23,12 +23,12 @@ def reward_model_dir(tmp_path_factory):
     return out
 
 
-def test_reward_model_scores_match_transformers(reward_model_dir, gloo_world_of_one):
+def test_reward_model_scores_match_transformers(reward_model_dir, world_of_one):
     from transformers import AutoTokenizer, LlamaForSequenceClassification
 
     from megarl.rewards.model import RewardModel
 
-    rm = RewardModel(str(reward_model_dir), gloo_world_of_one)
+    rm = RewardModel(str(reward_model_dir), world_of_one)
     prompts, responses = ["12=", "472=", "9+9="], ["12", "47", "18;"]
     scores = rm(prompts, responses, ["", "", ""], ["x"] * 3, [{}] * 3)
     hf = LlamaForSequenceClassification.from_pretrained(reward_model_dir)
@@ -39,30 +39,8 @@ def test_reward_model_scores_match_transformers(reward_model_dir, gloo_world_of_
     assert len(set(round(s, 4) for s in scores)) == 3  # distinct texts, distinct scores
 
 
-def test_reward_model_without_scalar_head_is_refused(tiny_models, gloo_world_of_one):
+def test_reward_model_without_scalar_head_is_refused(tiny_models, world_of_one):
     from megarl.rewards.model import RewardModel
 
     with pytest.raises(ValueError, match="score.weight"):
-        RewardModel(str(tiny_models["llama"]), gloo_world_of_one)
-
-
-@pytest.fixture(scope="module")
-def gloo_world_of_one():
-    import os
-
-    import torch.distributed as dist
-
-    from megarl.parallel import ParallelDims
-
-    if dist.is_initialized():
-        pytest.skip("another test module left a process group")
-    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    dims = ParallelDims(world_size=1).initialize()
-    yield dims
-    dims.destroy()
-    dist.destroy_process_group()
-    for k, v in env.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+        RewardModel(str(tiny_models["llama"]), world_of_one)
