@@ -28,8 +28,9 @@ from megarl import algorithms as A
 from megarl.config import Config
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
+from megarl.global_batch import GlobalBatch
 from megarl.guards import Guards
-from megarl.parallel import ParallelDims, all_gather_host, all_reduce_host
+from megarl.parallel import ParallelDims
 
 
 def engine_config(cfg: Config, role: str, total_steps: int) -> EngineConfig:
@@ -77,6 +78,7 @@ class Trainer:
         from megarl.rollout.base import SamplingParams
 
         self.cfg, self.dims, self.log = cfg, dims, log
+        self.global_batch = GlobalBatch(dims)
         t = cfg.trainer
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.data = PromptDataset(
@@ -170,7 +172,7 @@ class Trainer:
                                                       mask, self.kl_ctrl.value, alg.kl_penalty)
             if self.ref is not None:
                 kl = A.kl_penalty(b.tensors["old_logprobs"], b.tensors["ref_logprobs"], alg.kl_penalty) * mask
-                reward_kl = self._global_mean(A.masked_mean(kl, mask, dim=-1))
+                reward_kl = self.global_batch.mean(A.masked_mean(kl, mask, dim=-1))
 
         with clock("timing_s/adv"):
             self._compute_advantages(ro, scores, token_rewards)
@@ -188,24 +190,24 @@ class Trainer:
         if alg.use_kl_in_reward:
             self.kl_ctrl.update(reward_kl, n_steps=cfg.data.prompts_per_step * cfg.rollout.samples_per_prompt)
 
-        score_mean = self._global_mean(scores)
+        score_mean = self.global_batch.mean(scores)
         after = self.guards.after_update(score_mean, all(math.isfinite(v) for v in metrics.values()))
         self._apply_guard_actions(after)
         resp_len = mask.sum(-1)
-        tokens = self._global_sum(mask.sum() + torch.tensor(float(sum(b.prompt_lens))))
+        tokens = self.global_batch.sum(mask.sum() + torch.tensor(float(sum(b.prompt_lens))))
         metrics.update({
             "critic/score/mean": score_mean,
-            "critic/score/max": self._global_max(scores),
-            "critic/score/min": -self._global_max(-scores),
-            "critic/rewards/mean": self._global_mean((token_rewards * mask).sum(-1)),
-            "critic/advantages/mean": self._global_masked_mean(b.tensors["advantages"], mask),
-            "critic/returns/mean": self._global_masked_mean(b.tensors["returns"], mask),
-            "actor/entropy": self._global_masked_mean(entropy, mask),
+            "critic/score/max": self.global_batch.max(scores),
+            "critic/score/min": self.global_batch.min(scores),
+            "critic/rewards/mean": self.global_batch.mean((token_rewards * mask).sum(-1)),
+            "critic/advantages/mean": self.global_batch.masked_mean(b.tensors["advantages"], mask),
+            "critic/returns/mean": self.global_batch.masked_mean(b.tensors["returns"], mask),
+            "actor/entropy": self.global_batch.masked_mean(entropy, mask),
             "actor/reward_kl_penalty": reward_kl,
             "actor/reward_kl_penalty_coeff": float(self.kl_ctrl.value),
             "actor/lr": self.actor.lr,
-            "response_length/mean": self._global_mean(resp_len.float()),
-            "response_length/clip_ratio": self._global_mean((resp_len >= self.sampling.max_new_tokens).float()),
+            "response_length/mean": self.global_batch.mean(resp_len.float()),
+            "response_length/clip_ratio": self.global_batch.mean((resp_len >= self.sampling.max_new_tokens).float()),
             "training/hybrid_sync_bytes": float(sync.bytes_received),
             "training/hybrid_sync_peak_bytes": float(sync.peak_extra_bytes),
             "training/data_dropped_prompts": float(self.data.num_dropped),
@@ -215,8 +217,8 @@ class Trainer:
             **timing,
         })
         if self.critic is not None:
-            metrics["critic/values/mean"] = self._global_masked_mean(b.tensors["old_values"], mask)
-            metrics["critic/vf_explained_var"] = self._explained_variance(b.tensors["returns"], b.tensors["old_values"], mask)
+            metrics["critic/values/mean"] = self.global_batch.masked_mean(b.tensors["old_values"], mask)
+            metrics["critic/vf_explained_var"] = self.global_batch.explained_variance(b.tensors["returns"], b.tensors["old_values"], mask)
         step_time = sum(v for k, v in timing.items())
         metrics["timing_s/step"] = step_time
         metrics["perf/throughput"] = tokens / max(step_time, 1e-9) / self.dims.world_size
@@ -241,7 +243,7 @@ class Trainer:
         texts = [self.tokenizer.decode(r.response_token_ids, skip_special_tokens=True) for r in results]
         scores = self.reward_fn([r.prompt for r in rows], texts, [r.ground_truth for r in rows],
                                 [r.data_source for r in rows], [r.extra for r in rows])
-        return {"val/score/mean": self._global_mean(torch.tensor(scores, dtype=torch.float64))}
+        return {"val/score/mean": self.global_batch.mean(torch.tensor(scores, dtype=torch.float64))}
 
     # --- phases ---------------------------------------------------------------------------------
     def _actor_shards(self):
@@ -284,7 +286,7 @@ class Trainer:
         """Advantages and returns on the all-gathered global batch, then this rank's rows."""
         alg, b = self.cfg.algorithm, ro.batch
         mask = b.response_mask
-        g = self._gather_dp({"mask": mask, "rewards": token_rewards, "scores": scores, "groups": ro.group_ids.float(),
+        g = self.global_batch.gather({"mask": mask, "rewards": token_rewards, "scores": scores, "groups": ro.group_ids.float(),
                              **({"values": b.tensors["old_values"]} if self.critic is not None else {})})
         if alg.adv_estimator == "gae":
             adv, returns = A.compute_gae(g["rewards"], g["values"], g["mask"], alg.gamma, alg.lam)
@@ -298,10 +300,10 @@ class Trainer:
         elif alg.adv_estimator == "reinforce_plus_plus":
             adv, returns = A.compute_reinforce_pp_advantages(g["rewards"], g["mask"], alg.gamma)
         else:  # remax: baseline = score of a greedy response to the same prompt
-            baseline = self._gather_dp({"b": self._greedy_baseline(ro)})["b"]
+            baseline = self.global_batch.gather({"b": self._greedy_baseline(ro)})["b"]
             adv = A.compute_remax_advantages(g["scores"], baseline, g["mask"])
             returns = adv
-        lo = self._dp_offset(len(b))
+        lo = self.global_batch.offset(len(b))
         b.tensors["advantages"] = adv[lo : lo + len(b)] * mask
         b.tensors["returns"] = returns[lo : lo + len(b)] * mask
 
@@ -385,69 +387,34 @@ class Trainer:
     def _rollout_gap(self, ro: Rollout, actor_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
         # verl's definition (|p_rollout - p_actor| per token), reduced over the global batch.
         diff = (ro.rollout_logprobs.exp() - actor_logprobs.exp()).abs() * mask
-        return {"training/rollout_probs_diff_mean": self._global_masked_mean(diff, mask),
-                "training/rollout_probs_diff_max": self._global_max(diff.reshape(-1))}
+        return {"training/rollout_probs_diff_mean": self.global_batch.masked_mean(diff, mask),
+                "training/rollout_probs_diff_max": self.global_batch.max(diff.reshape(-1))}
 
     def _apply_guard_actions(self, verdict) -> None:
-        if verdict.halve_lr:
-            self.lr_scale *= 0.5
-            for engine in (self.actor, self.critic):
-                if engine is not None:
-                    for group in engine.optimizer.param_groups:
-                        group["max_lr"] = group.get("max_lr", group["lr"]) * 0.5
-                        group["min_lr"] = group.get("min_lr", 0.0) * 0.5
-                        group["lr"] *= 0.5
+        # Roll back first: loading a checkpoint also restores the optimizers' learning rates, so
+        # halving them before would be undone.
         if verdict.restore_checkpoint:
             from megarl.checkpoint import latest_checkpoint, restore
 
             latest = latest_checkpoint(self.cfg.trainer.run_dir)
             if latest is not None:
                 restore(self, latest, weights_only=True)
+        if verdict.halve_lr:
+            self.lr_scale *= 0.5
+            for engine in (self.actor, self.critic):
+                if engine is not None:
+                    for group in engine.optimizer.param_groups:  # the scheduler reads max_lr / min_lr
+                        group["max_lr"] = group.get("max_lr", group["lr"]) * 0.5
+                        group["min_lr"] = group.get("min_lr", 0.0) * 0.5
+                        group["lr"] *= 0.5
 
     def _offload_all(self) -> int:
         """Training state out of the way of the rollout (as configured); returns bytes moved."""
         return sum(sum(engine.offload().values()) for engine in (self.actor, self.critic, self.ref) if engine is not None)
 
-    # --- cross-rank reductions over the data-parallel group ---------------------------------------
+    # --- seeds -----------------------------------------------------------------------------------
     def _shuffle_seed(self, role: int) -> int:
         return (self.cfg.trainer.seed * 1_000_003 + self.step) * 2 + role
-
-    def _dp_offset(self, local: int) -> int:
-        return self.dims.dp_rank * local  # every DP rank holds the same number of samples
-
-    def _gather_dp(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if self.dims.dp == 1:
-            return tensors
-        return {k: torch.cat(all_gather_host(t, self.dims.dp_group, self.dims.dp)) for k, t in tensors.items()}
-
-    def _global_sum(self, x: torch.Tensor) -> float:
-        t = x.detach().double().sum().reshape(1)
-        if self.dims.dp > 1:
-            t = all_reduce_host(t, self.dims.dp_group)
-        return float(t)
-
-    def _global_mean(self, x: torch.Tensor) -> float:
-        t = torch.tensor([x.double().sum(), x.numel()], dtype=torch.float64)
-        if self.dims.dp > 1:
-            t = all_reduce_host(t, self.dims.dp_group)
-        return float(t[0] / t[1].clamp_min(1))
-
-    def _global_masked_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
-        t = torch.tensor([(x.double() * mask).sum(), mask.sum()], dtype=torch.float64)
-        if self.dims.dp > 1:
-            t = all_reduce_host(t, self.dims.dp_group)
-        return float(t[0] / t[1].clamp_min(1))
-
-    def _global_max(self, x: torch.Tensor) -> float:
-        t = x.detach().double().max().reshape(1) if x.numel() else torch.tensor([float("-inf")], dtype=torch.float64)
-        if self.dims.dp > 1:
-            t = all_reduce_host(t, self.dims.dp_group, op=dist.ReduceOp.MAX)
-        return float(t)
-
-    def _explained_variance(self, returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> float:
-        g = self._gather_dp({"r": returns, "v": values, "m": mask})
-        var_r = A.masked_var(g["r"], g["m"])
-        return float(1.0 - A.masked_var(g["r"] - g["v"], g["m"]) / (var_r + 1e-8))
 
 
 # --- small helpers ------------------------------------------------------------------------------

@@ -9,8 +9,6 @@ the gradient of the one-batch loss, whatever the split (see `megarl.algorithms.a
 from __future__ import annotations
 
 import math
-import os
-import time
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
@@ -22,12 +20,6 @@ from megarl.engine.batch import SequenceBatch, response_positions
 from megarl.engine.forward import pad_right, pipeline_forward
 from megarl.models.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 from megarl.parallel import ParallelDims, all_reduce_host, broadcast_host
-
-
-# The distributed optimizer's one format that reshards across TP, PP *and* DP in Megatron-Core 0.16
-# (its "fully_sharded_model_space" default uses flattened ranges, which dist_checkpointing now
-# refuses). It gathers each DP group's optimizer state on the group's first rank while saving.
-_OPTIM_CKPT_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 @dataclass
@@ -377,64 +369,18 @@ class MegatronEngine:
             moved["optimizer"] = offload.onload_optimizer(self)
         return moved
 
-    # --- checkpoint ---------------------------------------------------------------------------------------------
-    def _ensure_optimizer_state(self) -> None:
-        """Adam creates its state lazily at the first step, but Megatron's checkpoint code reads it
-        (including `step`) when saving before any update and when loading into a fresh engine."""
-        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-            inner = opt.optimizer
-            for group in inner.param_groups:
-                for p in group["params"]:
-                    if len(inner.state[p]) == 0:
-                        inner.state[p]["exp_avg"] = torch.zeros_like(p.data)
-                        inner.state[p]["exp_avg_sq"] = torch.zeros_like(p.data)
-                        inner.state[p]["step"] = torch.tensor(0.0)
-
-    def sharded_state_dict(self) -> dict:
-        self.onload()
-        if self.trainable:
-            self._ensure_optimizer_state()
-        model_sd = self.module.sharded_state_dict(prefix="model.")
-        state = {"model": model_sd}
-        if self.trainable:
-            state["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=_OPTIM_CKPT_FORMAT)
-        return state
-
+    # --- checkpoint (megarl.engine.checkpointing) ------------------------------------------------------
     def save(self, path: str) -> float:
-        """Megatron distributed checkpoint of weights + optimizer into `path` (a directory that
-        all ranks see). Returns seconds. Atomicity is the caller's (`megarl.checkpoint`)."""
-        from megatron.core import dist_checkpointing
+        """Distributed checkpoint of weights + optimizer (+ scheduler) into `path`; returns seconds."""
+        from megarl.engine.checkpointing import save_engine
 
-        start = time.perf_counter()
-        os.makedirs(path, exist_ok=True)
-        dist.barrier()
-        state = self.sharded_state_dict()
-        dist_checkpointing.save(state, path)
-        if self.dims.rank == 0:
-            torch.save(self.extra_state(), os.path.join(path, "engine_extra.pt"))
-        dist.barrier()
-        return time.perf_counter() - start
+        return save_engine(self, path)
 
     def load(self, path: str) -> None:
-        from megatron.core import dist_checkpointing
+        """Load a checkpoint saved by `save` under any parallel layout."""
+        from megarl.engine.checkpointing import load_engine
 
-        self.onload()
-        model_sd = self.module.sharded_state_dict(prefix="model.")
-        template = {"model": model_sd}
-        if self.trainable:
-            self._ensure_optimizer_state()
-            template["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=_OPTIM_CKPT_FORMAT)
-        loaded = dist_checkpointing.load(template, path)
-        model_state = {k[len("model."):]: v for k, v in loaded["model"].items()} if "model" in loaded else {}
-        self.module.load_state_dict(model_state, strict=False)
-        if self.trainable:
-            optimizers = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-            states = [loaded["optimizer"]] if len(optimizers) == 1 else [loaded["optimizer"][i] for i in range(len(optimizers))]
-            for opt, state in zip(optimizers, states):
-                _load_distributed_optimizer(opt, state)
-            extra = os.path.join(path, "engine_extra.pt")
-            if os.path.exists(extra):
-                self.load_extra_state(torch.load(extra, weights_only=False))
+        load_engine(self, path)
 
     def extra_state(self) -> dict:
         return {"optimizer_steps": self.optimizer_steps, "scheduler": self.scheduler.state_dict() if self.scheduler else None}
@@ -444,27 +390,3 @@ class MegatronEngine:
         if self.scheduler and state.get("scheduler"):
             self.scheduler.load_state_dict(state["scheduler"])
 
-
-def _load_distributed_optimizer(opt, state: dict) -> None:
-    """DistributedOptimizer.load_state_dict, working around a Megatron-Core 0.16 gap.
-
-    Without Apex/TE, torch Adam keeps `step` in every parameter's state, but the fully_reshardable
-    loader copies only (param, exp_avg, exp_avg_sq) into that state and fails on `step`. So: load
-    the non-parameter state (which restores `step` from the checkpoint's param groups), set `step`
-    aside while the parameter state is copied, then put it back -- one tensor per parameter: the
-    loader hands every parameter the *same* step tensor, which torch Adam then increments once per
-    parameter per step (found by the resume test: the second step after a resume diverged).
-    """
-    param_state = state.pop("param_state", None)
-    sharding_type = state.pop("param_state_sharding_type", None)
-    opt.load_state_dict(state)
-    if param_state is None:
-        return
-    if sharding_type != "fully_reshardable":
-        raise ValueError(f"checkpoint optimizer format {sharding_type!r} is not the one megarl writes (fully_reshardable)")
-    inner = opt.optimizer
-    steps = {id(p): s.pop("step") for p, s in inner.state.items() if "step" in s}
-    opt.load_parameter_state_from_fully_reshardable(param_state)
-    for p, s in inner.state.items():
-        if id(p) in steps:
-            s["step"] = steps[id(p)].clone()

@@ -93,3 +93,18 @@ def test_demo_learns_and_is_tracked(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.num_hidden_layers == 2
+
+
+def test_reward_collapse_guard_rolls_back_and_halves_lr(tmp_path):
+    # A hair-trigger guard (any score below 95% of its 1-step EMA) so that it fires in a short run.
+    run_dir = tmp_path / "run"
+    launch_ok(2, small_run_overrides(tmp_path, run_dir, **{
+        "trainer.total_steps": 6, "trainer.save_every_steps": 1, "actor.optim.schedule": "constant",
+        "guards.reward_collapse_fraction": 0.95, "guards.reward_ema_steps": 1}))
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    fired = [r["step"] for r in lines if r.get("event") == "guard/reward_collapse"]
+    assert any(step < 6 for step in fired), f"the guard did not fire before the last step: {fired}"
+    lrs = {r["step"]: r["actor/lr"] for r in lines if "event" not in r}
+    first = min(fired)
+    assert lrs[first + 1] == pytest.approx(lrs[first] / 2)  # halved, and the roll-back did not undo it
+    assert next(r for r in lines if r.get("step") == first and "event" not in r)["guard/reward_collapse"] == 1.0
