@@ -61,6 +61,9 @@ def prepare(cfg, rank: int) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from megarl.platform import quiet_known_warnings
+
+    quiet_known_warnings()
     from megarl.config import ConfigError, flatten, load_config, save_resolved, validate
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

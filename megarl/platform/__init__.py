@@ -47,3 +47,24 @@ def current_platform() -> Platform:
     if _PLATFORM is None:
         return init_platform()
     return _PLATFORM
+
+
+# Messages every CPU run prints, none of which a user can act on: the optional GPU packages are
+# absent by design, and the rest are deprecations inside torch / Megatron-Core.
+KNOWN_NOISE = (
+    r"Transformer Engine and Apex are not installed",
+    r"Apex is not installed",
+    r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+    r"full scope is deprecated",
+    r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+    r"When using async grad allreduce it is recommended",
+    r"tp_group is None, using default tp group",
+)
+
+
+def quiet_known_warnings() -> None:
+    """Hide the warnings in KNOWN_NOISE (entry points call this; libraries never do)."""
+    import warnings
+
+    for pattern in KNOWN_NOISE:
+        warnings.filterwarnings("ignore", message=pattern)
