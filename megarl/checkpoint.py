@@ -116,31 +116,12 @@ def export_hf_main(argv=None) -> int:
     critic = args.role == "critic"
     engine = MegatronEngine(model_dir, dims, EngineConfig(), critic=critic, trainable=False)
     engine.load(str(ckpt / args.role))
-    if critic:
-        from megarl.models.weights import export_hf
-
-        _save_stream(export_hf(engine.module, engine.spec, dims, critic=True), args.out, model_dir, dims)
-    else:
-        save_hf_checkpoint(engine.module, engine.spec, dims, args.out, model_dir)
+    save_hf_checkpoint(engine.module, engine.spec, dims, args.out, model_dir, critic=critic)
     if dims.rank == 0:
         print(f"wrote {args.out}")
     dist.barrier()
     dist.destroy_process_group()
     return 0
-
-
-def _save_stream(stream, out: str, model_dir: str, dims) -> None:
-    from safetensors.torch import save_file
-
-    tensors = {name: t.cpu().contiguous() for name, t in stream}
-    if dims.rank == 0:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(Path(out) / "model.safetensors"), metadata={"format": "pt"})
-        import shutil
-
-        for f in Path(model_dir).iterdir():
-            if f.is_file() and f.suffix in (".json", ".txt", ".jinja") and not f.name.startswith("model"):
-                shutil.copy2(f, Path(out) / f.name)
 
 
 if __name__ == "__main__":

@@ -225,8 +225,9 @@ def _value_head(model: torch.nn.Module, dims: ParallelDims) -> Iterator[tuple[st
         yield f"score.{name}", t
 
 
-def save_hf_checkpoint(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDims, out_dir: str | Path, source_dir: str | Path, max_shard_bytes: int = 2 << 30) -> None:
-    """Write an HF model directory (safetensors shards + config + tokenizer) from rank 0."""
+def save_hf_checkpoint(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDims, out_dir: str | Path, source_dir: str | Path,
+                       max_shard_bytes: int = 2 << 30, critic: bool = False) -> None:
+    """Write an HF model directory (safetensors shards + config + tokenizer) from rank 0 (collective)."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
@@ -245,7 +246,7 @@ def save_hf_checkpoint(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDi
             weight_map.update({k: fname for k in shard})
         shard, shard_bytes = {}, 0
 
-    for name, tensor in export_hf(model, spec, dims):
+    for name, tensor in export_hf(model, spec, dims, critic=critic):
         if not write:
             continue
         shard[name] = tensor.cpu().contiguous()
