@@ -59,6 +59,7 @@ KNOWN_NOISE = (
     r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed",
     r"When using async grad allreduce it is recommended",
     r"tp_group is None, using default tp group",
+    r"Please use DTensor instead and we are deprecating ShardedTensor",
 )
 
 
