@@ -55,7 +55,8 @@ class Rollout:
     """This DP rank's samples of one step."""
 
     batch: SequenceBatch
-    rollout_logprobs: torch.Tensor  # [m, R], from the engine (scaled: temperature only)
+    rollout_logprobs: torch.Tensor  # [m, R], from the engine (temperature-scaled where it reports them)
+    logprobs_are_scaled: bool  # False: the engine reported top-k/top-p-processed log-probs only
     prompts: list[str]
     responses: list[str]
     ground_truths: list[str]
@@ -278,7 +279,8 @@ class Trainer:
             texts.append(self.tokenizer.decode(resp, skip_special_tokens=True))
         sample_rows = [by_index[res.prompt_index] for res in results]
         batch = SequenceBatch(input_ids, prompt_lens, global_index, width, {"response_mask": mask})
-        return Rollout(batch, rollout_lp, [r.prompt for r in sample_rows], texts, [r.ground_truth for r in sample_rows],
+        scaled = all(res.scaled_logprobs is not None for res in results)
+        return Rollout(batch, rollout_lp, scaled, [r.prompt for r in sample_rows], texts, [r.ground_truth for r in sample_rows],
                        [r.data_source for r in sample_rows], [r.extra for r in sample_rows],
                        torch.tensor([res.prompt_index for res in results]))
 
@@ -376,9 +378,11 @@ class Trainer:
 
     # --- checks, guards, offload -----------------------------------------------------------------
     def _verify_sync(self, ro: Rollout, actor_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
-        """rollout.verify_weights: the engine's log-probs of its own samples must equal the actor's."""
-        if not self.cfg.rollout.verify_weights or self.cfg.rollout.top_k > 0 or self.cfg.rollout.top_p < 1.0:
-            return
+        """rollout.verify_weights: the engine's log-probs of its own samples (the probe batch) must
+        equal the actor's, or the weight sync went wrong; raises WeightSyncMismatch."""
+        truncated = self.cfg.rollout.top_k > 0 or self.cfg.rollout.top_p < 1.0
+        if not self.cfg.rollout.verify_weights or (truncated and not ro.logprobs_are_scaled):
+            return  # processed log-probs of a truncated distribution are not what the actor computes
         from megarl.hybrid.verify import compare_logprobs
 
         atol = 1e-3 if self.cfg.model.dtype == "float32" else 0.1
