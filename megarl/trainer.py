@@ -390,7 +390,9 @@ class Trainer:
 
     def _rollout_gap(self, ro: Rollout, actor_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
         # verl's definition (|p_rollout - p_actor| per token), reduced over the global batch.
-        diff = (ro.rollout_logprobs.exp() - actor_logprobs.exp()).abs() * mask
+        from megarl.hybrid.verify import token_prob_diff
+
+        diff = token_prob_diff(ro.rollout_logprobs, actor_logprobs, mask)
         return {"training/rollout_probs_diff_mean": self.global_batch.masked_mean(diff, mask),
                 "training/rollout_probs_diff_max": self.global_batch.max(diff.reshape(-1))}
 

@@ -19,9 +19,10 @@ def pad_left(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
     return ids, mask
 
 
-def pad_right(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [B, max_len] with pad_id on the right, attention mask [B, max_len] (1 = token)."""
-    width = max(len(s) for s in seqs)
+def pad_right(seqs: Sequence[Sequence[int]], pad_id: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [B, length] with pad_id on the right, attention mask [B, length] (1 = token);
+    length defaults to the longest sequence."""
+    width = length or max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from megarl.engine.batch import SequenceBatch, response_positions
-from megarl.engine.forward import pad_right, pipeline_forward
+from megarl.data.batching import pad_right
+from megarl.engine.forward import pipeline_forward
 from megarl.models.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 from megarl.parallel import ParallelDims, all_reduce_host, broadcast_host
 

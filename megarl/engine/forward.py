@@ -19,17 +19,6 @@ from megarl.parallel import ParallelDims, broadcast_host
 ComputeFn = Callable[[torch.Tensor, dict], dict[str, torch.Tensor]]
 
 
-def pad_right(sequences: list[list[int]], pad_id: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids [n, length], mask [n, length]) for token-id lists, right-padded."""
-    length = length or max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), length), dtype=torch.bool)
-    for i, seq in enumerate(sequences):
-        ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
-        mask[i, : len(seq)] = True
-    return ids, mask
-
-
 def model_forward(model: torch.nn.Module, micro_batch: dict) -> torch.Tensor:
     """One micro-batch through this stage (earlier stages' activations arrive via the schedule)."""
     ids = micro_batch["input_ids"]

@@ -43,6 +43,11 @@ def compare_logprobs(engine_logprobs: torch.Tensor, actor_logprobs: torch.Tensor
     return max_diff
 
 
+def token_prob_diff(rollout_logprobs: torch.Tensor, actor_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """|exp(rollout) - exp(actor)| per response token, 0 where mask is 0; all [B, T]."""
+    return (rollout_logprobs.float().exp() - actor_logprobs.float().exp()).abs() * mask.to(torch.float32)
+
+
 def rollout_probs_diff_metrics(rollout_logprobs: torch.Tensor, actor_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """Gap between rollout and actor token probabilities, |exp(a) - exp(b)| over response tokens.
 
@@ -52,7 +57,7 @@ def rollout_probs_diff_metrics(rollout_logprobs: torch.Tensor, actor_logprobs: t
     mask = mask.bool()
     if not mask.any():
         return {"training/rollout_probs_diff_mean": 0.0, "training/rollout_probs_diff_max": 0.0, "training/rollout_probs_diff_std": 0.0}
-    diff = (rollout_logprobs.float().exp() - actor_logprobs.float().exp()).abs()[mask]
+    diff = token_prob_diff(rollout_logprobs, actor_logprobs, mask)[mask]
     return {
         "training/rollout_probs_diff_mean": float(diff.mean()),
         "training/rollout_probs_diff_max": float(diff.max()),

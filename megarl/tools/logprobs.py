@@ -51,7 +51,8 @@ def sequence_logprobs(model, spec, dims, sequences: list[list[int]], micro_batch
     `length` and `num_micro_batches` must be equal on every rank of an expert-parallel group: MoE
     layers exchange tokens across it, so every replica runs the same shapes.
     """
-    from megarl.engine.forward import pad_right, pipeline_forward
+    from megarl.data.batching import pad_right
+    from megarl.engine.forward import pipeline_forward
     from megarl.models.vocab_parallel import vocab_parallel_logprobs
 
     n = len(sequences)
