@@ -30,6 +30,10 @@ done
 timeout 300 torchrun --standalone --nproc_per_node 1 benchmarks/actor_mfu.py --preset 1b --seq-len 2048 --sequences 8 \
   --out "$OUT/actor_mfu_1b.json" 2>&1 | tail -20
 
+# 2b. Sequence packing (TE thd attention) vs padded micro-batches, same ~1B model, ragged lengths.
+timeout 240 torchrun --standalone --nproc_per_node 1 benchmarks/packing.py --preset 1b --sequences 32 \
+  --prompt 256 --response 1024 --tokens-per-microbatch 16384 --out "$OUT/packing_1b.json" 2>&1 | tail -8
+
 # 3. Reshard time on NCCL for a ~1B synthetic model (single GPU: 1 rank, so only the local path).
 timeout 120 torchrun --standalone --nproc_per_node 1 benchmarks/reshard.py --train-tp 1 --rollout-tp 1 \
   --num-layers 16 --hidden 2048 --ffn-hidden 5632 --vocab 32000 --dtype bfloat16 --out "$OUT/reshard_1b.json" 2>&1 | tail -5

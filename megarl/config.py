@@ -77,6 +77,8 @@ class MakeTinyConfig:
 class ModelConfig:
     path: str = knob("", "Hugging Face model directory (config.json, tokenizer, safetensors) of the actor")
     dtype: Literal["float32", "bfloat16"] = knob("bfloat16", "parameter / compute dtype (optimizer state stays float32)")
+    sequence_packing: bool = knob(True, "remove padding: pack each micro-batch's sequences into one row "
+                                        "(Megatron thd format; verl's use_remove_padding); false = right-padded rows")
     make_tiny: MakeTinyConfig = section(MakeTinyConfig, "tiny random model for CPU demos")
 
 
@@ -342,6 +344,7 @@ _VERL_NAMES = {
     "actor.ppo_mini_batch_size": "actor.ppo_mini_batches",
     "actor.ppo_max_token_len_per_gpu": "actor.max_tokens_per_microbatch",
     "critic.cliprange_value": "critic.vf_clip",
+    "model.use_remove_padding": "model.sequence_packing",
     "trainer.save_freq": "trainer.save_every_steps",
     "trainer.total_training_steps": "trainer.total_steps",
 }

@@ -36,7 +36,7 @@ from megarl.parallel import ParallelDims
 def engine_config(cfg: Config, role: str, total_steps: int) -> EngineConfig:
     """The Megatron engine settings of one role (actor / critic / ref) from the run config."""
     if role == "ref":
-        return EngineConfig(dtype=cfg.model.dtype, param_offload=cfg.ref.param_offload)
+        return EngineConfig(dtype=cfg.model.dtype, param_offload=cfg.ref.param_offload, sequence_packing=cfg.model.sequence_packing)
     r = getattr(cfg, role)
     o = r.optim
     updates_per_step = r.ppo_epochs * r.ppo_mini_batches
@@ -47,7 +47,7 @@ def engine_config(cfg: Config, role: str, total_steps: int) -> EngineConfig:
                         total_steps=total_steps * updates_per_step)
     return EngineConfig(dtype=cfg.model.dtype, optim=optim, max_tokens_per_microbatch=r.max_tokens_per_microbatch,
                         param_offload=r.param_offload, grad_offload=r.grad_offload, optimizer_offload=r.optimizer_offload,
-                        recompute=r.recompute)
+                        recompute=r.recompute, sequence_packing=cfg.model.sequence_packing)
 
 
 @dataclass
@@ -92,7 +92,8 @@ class Trainer:
         if cfg.reward.kind == "model":
             from megarl.rewards.model import RewardModel
 
-            reward_model = RewardModel(cfg.reward.model_path, dims, dtype=cfg.model.dtype)
+            reward_model = RewardModel(cfg.reward.model_path, dims, dtype=cfg.model.dtype,
+                                       sequence_packing=cfg.model.sequence_packing)
         self.reward_fn = build_reward_fn(cfg.reward, reward_model)
 
         alg = cfg.algorithm

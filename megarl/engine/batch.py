@@ -38,8 +38,10 @@ class SequenceBatch:
         )
 
 
-def response_positions(prompt_lens: torch.Tensor, response_len: int, seq_len: int) -> torch.Tensor:
-    """[n, response_len] indices into per-position outputs over positions 0..seq_len-2 (output at
-    position t predicts token t+1), for the response tokens; clamped for padded slots."""
+def response_positions(prompt_lens: torch.Tensor, response_len: int, seq_lens: torch.Tensor | int) -> torch.Tensor:
+    """[n, response_len] indices into one sequence's per-position outputs (output at position t
+    predicts token t+1) for its response tokens; slots past a sequence's end are clamped to its
+    last predicting position, seq_len - 2 (they are masked out)."""
     j = torch.arange(response_len).unsqueeze(0)
-    return (prompt_lens.unsqueeze(1) - 1 + j).clamp(0, seq_len - 2)
+    last = torch.as_tensor(seq_lens).reshape(-1, 1) - 2
+    return torch.minimum(prompt_lens.unsqueeze(1) - 1 + j, last).clamp_min(0)

@@ -16,8 +16,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megarl.engine.batch import SequenceBatch, response_positions
-from megarl.data.batching import pad_right
+from megarl.engine.batch import SequenceBatch
 from megarl.engine.forward import pipeline_forward
 from megarl.models.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 from megarl.parallel import ParallelDims, all_reduce_host, broadcast_host
@@ -41,6 +40,7 @@ class EngineConfig:
     dtype: str = "float32"
     optim: OptimConfig = field(default_factory=OptimConfig)
     max_tokens_per_microbatch: int = 4096  # per DP rank; padded tokens count
+    sequence_packing: bool = True  # one row of end-to-end sequences per micro-batch (no padding)
     param_offload: bool = False
     grad_offload: bool = False
     optimizer_offload: bool = False
@@ -134,55 +134,37 @@ class MegatronEngine:
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"] if self.optimizer else 0.0
 
-    # --- micro-batching ------------------------------------------------------------------------------
-    def _plan_micro_batches(self, batch: SequenceBatch, rows: list[int]) -> tuple[int, int, int]:
-        """(seq_len, micro_batch_size, num_micro_batches), equal on every DP rank.
-
-        Shapes must agree across the DP group: pipeline stages exchange fixed shapes per call, and
-        MoE layers exchange tokens across the expert-parallel group, which spans DP ranks.
-        """
-        local_len = max((len(batch.input_ids[r]) for r in rows), default=2)
-        stats = torch.tensor([local_len, len(rows)], dtype=torch.long)
-        if self.dims.dp > 1:
-            stats = all_reduce_host(stats, self.dims.dp_group, op=dist.ReduceOp.MAX)
-        seq_len, max_rows = int(stats[0]), int(stats[1])
-        mbs = max(1, min(max_rows, self.cfg.max_tokens_per_microbatch // seq_len))
-        return seq_len, mbs, max(1, math.ceil(max_rows / mbs))
-
+    # --- micro-batching (megarl.engine.micro_batches) ------------------------------------------------
     def _micro_batches(self, batch: SequenceBatch, rows: list[int], fields: tuple[str, ...] = ()) -> list[dict]:
-        seq_len, mbs, count = self._plan_micro_batches(batch, rows)
-        padded_rows = rows + [None] * (count * mbs - len(rows))  # None: an empty row, masked out
-        out = []
-        for k in range(count):
-            chunk = padded_rows[k * mbs : (k + 1) * mbs]
-            seqs = [batch.input_ids[r] if r is not None else [0, 0] for r in chunk]
-            ids, _ = pad_right(seqs, pad_id=0, length=seq_len)
-            prompt_lens = torch.tensor([batch.prompt_lens[r] if r is not None else 1 for r in chunk])
-            mb = {
-                "input_ids": ids.to(self.device),
-                "positions": response_positions(prompt_lens, batch.response_len, seq_len),
-                "rows": chunk,
-            }
-            for name in dict.fromkeys(fields + ("response_mask",)):
-                t = batch.tensors[name]
-                rows_of = [t[r] if r is not None else torch.zeros_like(t[0]) for r in chunk]
-                mb[name] = torch.stack(rows_of).to(self.device)
-            out.append(mb)
-        return out
+        from megarl.engine import micro_batches
+
+        lengths = [len(batch.input_ids[r]) for r in rows]
+        budget = self.cfg.max_tokens_per_microbatch
+        if self.cfg.sequence_packing:
+            # Row lengths divisible by tp keep sequence-parallel splits even; by 8, tensor-core shapes.
+            plan = micro_batches.plan_packed(lengths, budget, self._agree_max, multiple=8 * self.dims.tp)
+        else:
+            plan = micro_batches.plan_padded(lengths, budget, self._agree_max)
+        return micro_batches.build(plan, batch, rows, fields, self.device)
+
+    def _agree_max(self, values: list[int]) -> list[int]:
+        t = torch.tensor(values, dtype=torch.long)
+        if self.dims.dp > 1:
+            t = all_reduce_host(t, self.dims.dp_group, op=dist.ReduceOp.MAX)
+        return t.tolist()
 
     def _outputs(self, model_output: torch.Tensor, mb: dict, want: tuple[str, ...], temperature: float) -> dict[str, torch.Tensor]:
-        """Per-response-token outputs [b, response_len] from the last stage's model output."""
+        """Per-response-token outputs [rows, response_len] from the last stage's model output
+        ([b, s, ...]; `positions` index its flattened b*s positions)."""
         pos = mb["positions"].to(model_output.device)
+        flat = model_output.reshape(-1, model_output.shape[-1])  # [b*s, vocab/tp] or [b*s, 1]
         if self.critic:
-            values = model_output[..., 0].float()  # [b, s]
-            return {"values": values.gather(1, pos)}
-        logits = model_output[:, :-1]  # [b, s-1, vocab/tp]: position t predicts token t+1
-        if temperature != 1.0:
-            logits = logits / temperature
+            return {"values": flat[:, 0].float()[pos]}
         # Select the response positions before the vocab-parallel math: prompts cost nothing more.
-        index = pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-        resp_logits = logits.gather(1, index)  # [b, R, vocab/tp]
-        targets = mb["input_ids"][:, 1:].gather(1, pos)
+        resp_logits = flat[pos]  # [rows, R, vocab/tp]
+        if temperature != 1.0:
+            resp_logits = resp_logits / temperature
+        targets = mb["input_ids"].reshape(-1)[pos + 1]  # position t predicts token t+1
         tp_group = self.dims.tp_group if self.dims.tp > 1 else None
         out = {"logprobs": vocab_parallel_logprobs(resp_logits, targets, tp_group, true_vocab_size=self.spec.vocab_size)}
         if "entropy" in want:
@@ -201,7 +183,12 @@ class MegatronEngine:
             return {k: v.detach().float().cpu() for k, v in self._outputs(output, mb, want, temperature).items()}
 
         results = pipeline_forward(self.model, self.dims, micro_batches, compute)
-        merged = {k: torch.cat([r[k] for r in results])[: len(batch)] for k in results[0]}
+        merged = {k: torch.zeros(len(batch), batch.response_len) for k in results[0]}
+        for mb, result in zip(micro_batches, results):
+            slots = [i for i, r in enumerate(mb["rows"]) if r is not None]  # filler rows carry nothing
+            targets = [mb["rows"][i] for i in slots]
+            for k, v in result.items():
+                merged[k][targets] = v[slots]
         return {k: v * batch.response_mask.to(v.dtype) for k, v in merged.items()}
 
     # --- training ---------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Forward passes through Megatron's pipeline schedules, with per-token outputs on every stage.
 
-Micro-batches are dicts of `[micro_batch, seq]` tensors; every micro-batch of one call has the same
-shape (right-padded), because pipeline stages exchange fixed-shape activations. Right padding
-needs no attention mask: attention is causal, so a pad token never influences an earlier position.
+Micro-batches are dicts of `[micro_batch, seq]` tensors (`megarl.engine.micro_batches`: padded rows,
+or one packed row with `packed_seq_params`); every micro-batch of one call has the same shape,
+because pipeline stages exchange fixed-shape activations.
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def model_forward(model: torch.nn.Module, micro_batch: dict) -> torch.Tensor:
     positions = micro_batch.get("position_ids")
     if positions is None:
         positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
-    return model(input_ids=ids, position_ids=positions, attention_mask=None)
+    return model(input_ids=ids, position_ids=positions, attention_mask=None,
+                 packed_seq_params=micro_batch.get("packed_seq_params"))
 
 
 @torch.no_grad()

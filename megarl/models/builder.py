@@ -115,11 +115,16 @@ def layer_spec(spec: ModelSpec, use_te: bool | None = None):
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    from megarl.models.packed_attention import PackedDotProductAttention
+
     if use_te is None:
         use_te = not current_platform().is_cpu and have_transformer_engine()
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(num_experts=spec.num_experts, qk_layernorm=spec.qk_norm)
-    return get_gpt_layer_local_spec(num_experts=spec.num_experts, qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    local = get_gpt_layer_local_spec(num_experts=spec.num_experts, qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+    # Megatron's local attention refuses packed (thd) micro-batches; ours runs it per sequence.
+    local.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    return local
 
 
 def build_gpt_model(spec: ModelSpec, dims: ParallelDims, config=None, dtype: torch.dtype = torch.float32, vp_stage: int | None = None, value_head: bool = False, recompute: str = "none"):

@@ -17,7 +17,8 @@ from megarl.parallel import ParallelDims
 class RewardModel:
     """`RewardFn` over a Megatron scalar-head model; a collective call on every rank of the job."""
 
-    def __init__(self, model_dir: str, dims: ParallelDims, dtype: str = "float32", max_tokens_per_microbatch: int = 16384):
+    def __init__(self, model_dir: str, dims: ParallelDims, dtype: str = "float32", max_tokens_per_microbatch: int = 16384,
+                 sequence_packing: bool = True):
         from transformers import AutoTokenizer
 
         from megarl.models.weights import SafetensorsDir
@@ -25,7 +26,8 @@ class RewardModel:
         if "score.weight" not in SafetensorsDir(model_dir).weight_map:
             raise ValueError(f"reward.model_path: {model_dir} has no score.weight; a reward model needs a scalar head "
                              f"(a *ForSequenceClassification checkpoint with num_labels=1, or an exported megarl critic)")
-        self.engine = MegatronEngine(model_dir, dims, EngineConfig(dtype=dtype, max_tokens_per_microbatch=max_tokens_per_microbatch),
+        self.engine = MegatronEngine(model_dir, dims, EngineConfig(dtype=dtype, max_tokens_per_microbatch=max_tokens_per_microbatch,
+                                                                 sequence_packing=sequence_packing),
                                      critic=True, trainable=False)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
 

@@ -18,3 +18,13 @@ def test_actor_mfu_tiny(tmp_path):
                    cwd=REPO, check=True, capture_output=True, timeout=600)
     result = json.loads(out.read_text())
     assert result["params"] > 100_000 and result["tokens_per_second"] > 0 and result["model_tflops_per_gpu"] > 0
+
+
+def test_packing_benchmark_small(tmp_path):
+    out = tmp_path / "packing.json"
+    subprocess.run([sys.executable, "benchmarks/packing.py", "--sequences", "6", "--prompt", "8", "--response", "24",
+                    "--tokens-per-microbatch", "64", "--rounds", "1", "--out", str(out)],
+                   cwd=REPO, check=True, capture_output=True, timeout=600)
+    result = json.loads(out.read_text())
+    assert result["padding_fraction"]["packed"] < result["padding_fraction"]["padded"]
+    assert result["median_seconds_per_step"]["packed"] > 0 and result["speedup_packed_over_padded"] > 0

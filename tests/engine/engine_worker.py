@@ -72,6 +72,7 @@ def main() -> None:
     p.add_argument("--critic", action="store_true")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--max-grad-norm", type=float, default=0.0)
+    p.add_argument("--packing", choices=("on", "off"), default="on")
     p.add_argument("--ckpt")
     p.add_argument("--out")
     args = p.parse_args()
@@ -91,7 +92,7 @@ def main() -> None:
 
 def run_role(args, dims, critic: bool, mode: str) -> dict:
     cfg = EngineConfig(optim=OptimConfig(lr=args.lr, max_grad_norm=args.max_grad_norm, weight_decay=0.0),
-                       max_tokens_per_microbatch=24, param_offload=True, grad_offload=True, optimizer_offload=True)
+                       max_tokens_per_microbatch=24, sequence_packing=args.packing == "on", param_offload=True, grad_offload=True, optimizer_offload=True)
     engine = MegatronEngine(args.model, dims, cfg, critic=critic)
     result = {"grad_norms": []}
     if mode == "resume":

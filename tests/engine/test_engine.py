@@ -55,6 +55,15 @@ def test_actor_and_critic_update_identical_across_layouts(layout, single_process
     assert "lm_head.weight" not in single_process["critic"]["weights"]
 
 
+def test_padded_micro_batches_give_the_packed_update(single_process, tiny_models, tmp_path):
+    # Sequence packing is the default; padded rows (dp 2, so padding is agreed across ranks) must
+    # produce the same update up to float rounding.
+    padded = _worker(tmp_path, tiny_models["qwen2"], 2, "--mode", "both", "--packing", "off")
+    for role in ("actor", "critic"):
+        assert padded[role]["grad_norms"] == pytest.approx(single_process[role]["grad_norms"], rel=REL_TOL)
+        assert _max_rel_diff(single_process[role]["weights"], padded[role]["weights"]) <= REL_TOL, role
+
+
 def test_checkpoint_saved_under_one_layout_resumes_under_another(tiny_models, tmp_path):
     model = tiny_models["qwen2"]
     ckpt = tmp_path / "ckpt"
