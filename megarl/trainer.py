@@ -30,7 +30,7 @@ from megarl.engine.batch import SequenceBatch
 from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
 from megarl.global_batch import GlobalBatch
 from megarl.guards import Guards
-from megarl.parallel import ParallelDims
+from megarl.parallel import ParallelDims, all_reduce_host
 
 
 def engine_config(cfg: Config, role: str, total_steps: int) -> EngineConfig:
@@ -142,12 +142,13 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     def ppo_step(self) -> dict[str, float]:
         """One PPO iteration; returns the step's metrics (identical on every rank)."""
-        cfg, alg, timing = self.cfg, self.cfg.algorithm, {}
-        clock = _Clock(timing)
+        cfg, alg, timing, resident = self.cfg, self.cfg.algorithm, {}, {}
+        clock = _Clock(timing, after=lambda name: resident.__setitem__(name, self._resident_bytes()))
+        moved_before = self._bytes_moved()
 
         with clock("timing_s/sync"):
             sync = self.hybrid.sync(self.rollout, self._actor_shards())
-            offloaded = self._offload_all()
+            self._offload_all()
         with clock("timing_s/gen"):
             ro = self._generate()
             self.rollout.release_memory()
@@ -213,8 +214,10 @@ class Trainer:
             "training/hybrid_sync_bytes": float(sync.bytes_received),
             "training/hybrid_sync_peak_bytes": float(sync.peak_extra_bytes),
             "training/data_dropped_prompts": float(self.data.num_dropped),
-            "perf/offload_bytes": float(offloaded),
+            **{f"perf/{kind}_bytes": float(after - before)
+               for (kind, before), after in zip(moved_before.items(), self._bytes_moved().values())},
             **_memory_metrics(),
+            **self._resident_metrics(resident),
             **self._rollout_gap(ro, b.tensors["old_logprobs"], mask),
             **timing,
         })
@@ -415,9 +418,28 @@ class Trainer:
                         group["min_lr"] = group.get("min_lr", 0.0) * 0.5
                         group["lr"] *= 0.5
 
+    def _engines(self) -> list:
+        return [engine for engine in (self.actor, self.critic, self.ref) if engine is not None]
+
     def _offload_all(self) -> int:
         """Training state out of the way of the rollout (as configured); returns bytes moved."""
-        return sum(sum(engine.offload().values()) for engine in (self.actor, self.critic, self.ref) if engine is not None)
+        return sum(sum(engine.offload().values()) for engine in self._engines())
+
+    def _bytes_moved(self) -> dict[str, int]:
+        """Bytes offloaded and onloaded so far by this rank's engines."""
+        return {kind: sum(e.bytes_moved[kind] for e in self._engines()) for kind in ("offload", "onload")}
+
+    def _resident_bytes(self) -> int:
+        return sum(sum(e.resident_bytes().values()) for e in self._engines())
+
+    def _resident_metrics(self, resident: dict[str, int]) -> dict[str, float]:
+        """memory/resident_gb/<phase>: the engines' parameters, gradients and optimizer state in
+        memory at the end of each phase, the maximum over ranks (one collective per step)."""
+        phases = list(resident)
+        t = torch.tensor([resident[p] for p in phases], dtype=torch.float64)
+        if self.dims.world_size > 1:
+            t = all_reduce_host(t, None, op=dist.ReduceOp.MAX)
+        return {f"memory/resident_gb/{p.removeprefix('timing_s/')}": float(v) / 2**30 for p, v in zip(phases, t)}
 
     # --- seeds -----------------------------------------------------------------------------------
     def _shuffle_seed(self, role: int) -> int:
@@ -461,19 +483,24 @@ def _mean(xs: list[float]) -> float:
 
 
 class _Clock:
-    def __init__(self, timing: dict):
-        self.timing = timing
+    """Times named phases into `timing`; `after(name)` runs at the end of each (memory sampling)."""
+
+    def __init__(self, timing: dict, after=None):
+        self.timing, self.after = timing, after
 
     def __call__(self, name: str):
-        return _Timer(self.timing, name)
+        return _Timer(self, name)
 
 
 class _Timer:
-    def __init__(self, timing, name):
-        self.timing, self.name = timing, name
+    def __init__(self, clock: _Clock, name: str):
+        self.clock, self.name = clock, name
 
     def __enter__(self):
         self.start = time.perf_counter()
 
     def __exit__(self, *exc):
-        self.timing[self.name] = self.timing.get(self.name, 0.0) + time.perf_counter() - self.start
+        timing = self.clock.timing
+        timing[self.name] = timing.get(self.name, 0.0) + time.perf_counter() - self.start
+        if self.clock.after is not None and exc[0] is None:
+            self.clock.after(self.name)

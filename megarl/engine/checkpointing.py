@@ -1,4 +1,4 @@
-"""Megatron distributed checkpoints of one engine: weights, optimizer, LR scheduler.
+"""Megatron distributed checkpoints of one engine: weights, optimizer, LR scheduler, RNG states.
 
 Saved as `ShardedTensor`s with global offsets, so a checkpoint written under one TP/PP/DP layout
 loads under any other. Atomicity (temporary directory, rename, COMPLETE marker) is the caller's:
@@ -8,6 +8,7 @@ here, each explained where it is handled.
 from __future__ import annotations
 
 import os
+import random
 import time
 
 import torch
@@ -18,6 +19,7 @@ import torch.distributed as dist
 # refuses). It gathers each DP group's optimizer state on the group's first rank while saving.
 OPTIM_CKPT_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 EXTRA_STATE_FILE = "engine_extra.pt"
+RNG_DIR = "rng"
 
 
 def _optimizers(engine) -> list:
@@ -57,6 +59,9 @@ def save_engine(engine, path: str) -> float:
     dist_checkpointing.save(_sharded_state_dict(engine, is_loading=False), path)
     if engine.dims.rank == 0:
         torch.save(engine.extra_state(), os.path.join(path, EXTRA_STATE_FILE))
+        os.makedirs(os.path.join(path, RNG_DIR), exist_ok=True)
+    dist.barrier()
+    torch.save(rng_state(engine.dims), _rng_file(path, engine.dims.rank))
     dist.barrier()
     return time.perf_counter() - start
 
@@ -66,6 +71,9 @@ def load_engine(engine, path: str) -> None:
     from megatron.core import dist_checkpointing
 
     loaded = dist_checkpointing.load(_sharded_state_dict(engine, is_loading=True), path)
+    rng_file = _rng_file(path, engine.dims.rank)
+    if os.path.exists(rng_file):
+        restore_rng_state(torch.load(rng_file, weights_only=False), engine.dims)
     engine.module.load_state_dict({k[len("model."):]: v for k, v in loaded["model"].items()}, strict=False)
     if not engine.trainable:
         return
@@ -101,3 +109,50 @@ def _load_distributed_optimizer(opt, state: dict) -> None:
     for p, s in inner.state.items():
         if id(p) in steps:
             s["step"] = steps[id(p)].clone()
+
+
+# --- RNG states ------------------------------------------------------------------------------------
+# One file per rank. They are restored only under the layout that wrote them: under another layout a
+# rank's streams (e.g. the tensor-parallel RNG of TP rank 1) have no counterpart, so the fresh
+# seeding stays (as Megatron-LM does with --no-load-rng). megarl's own randomness (sampling,
+# shuffles) is seeded from (seed, step) and needs none of this to resume exactly.
+
+
+def _layout(dims) -> tuple:
+    return (dims.world_size, dims.tp, dims.pp, dims.cp, dims.ep)
+
+
+def _rng_file(path: str, rank: int) -> str:
+    return os.path.join(path, RNG_DIR, f"rank_{rank:05d}.pt")
+
+
+def rng_state(dims) -> dict:
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    state = {
+        "layout": _layout(dims),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "megatron": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: dict, dims) -> bool:
+    """Restore the states saved by `rng_state` if they come from this layout; returns whether it did."""
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    if state.get("layout") != _layout(dims):
+        return False
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    return True

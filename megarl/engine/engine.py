@@ -78,6 +78,7 @@ class MegatronEngine:
                 p.requires_grad_(False)
         self.module.eval()
         self._offloaded: dict[str, bool] = {}
+        self.bytes_moved = {"offload": 0, "onload": 0}  # cumulative, for per-step reporting
 
     # --- setup -------------------------------------------------------------------------------------
     def _wrap_for_training(self) -> None:
@@ -343,6 +344,7 @@ class MegatronEngine:
         if self.cfg.optimizer_offload and self.trainable and not self._offloaded.get("optimizer"):
             moved["optimizer"] = offload.offload_optimizer(self)
             self._offloaded["optimizer"] = True
+        self.bytes_moved["offload"] += sum(moved.values())
         return moved
 
     def onload(self) -> dict[str, int]:
@@ -355,7 +357,14 @@ class MegatronEngine:
             moved["grads"] = offload.onload_grads(self)
         if self._offloaded.pop("optimizer", False):
             moved["optimizer"] = offload.onload_optimizer(self)
+        self.bytes_moved["onload"] += sum(moved.values())
         return moved
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Parameters, gradients and optimizer state now in memory, in bytes (0 while offloaded)."""
+        from megarl.engine import offload
+
+        return offload.resident_bytes(self)
 
     # --- checkpoint (megarl.engine.checkpointing) ------------------------------------------------------
     def save(self, path: str) -> float:

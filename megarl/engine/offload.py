@@ -26,20 +26,28 @@ def _offload_tensor(t: torch.Tensor) -> int:
 def _onload_tensor(t: torch.Tensor) -> int:
     host = getattr(t, _HOST)
     t.untyped_storage().resize_(host.numel() * host.element_size())
-    t.copy_(host, non_blocking=False)
+    with torch.no_grad():
+        t.copy_(host, non_blocking=False)
     delattr(t, _HOST)
     return host.numel() * host.element_size()
 
 
-def _ddp_buffers(engine):
-    return list(getattr(engine.model, "buffers", [])) + list(getattr(engine.model, "expert_parallel_buffers", []))
+def _ddp_buffers(engine) -> list:
+    # Megatron's DDP keeps its buffers in lists named `buffers` (shadowing nn.Module.buffers); a
+    # frozen engine (the reference) has no DDP wrapper, and its `buffers` is the Module method.
+    found = []
+    for name in ("buffers", "expert_parallel_buffers"):
+        value = getattr(engine.model, name, None)
+        if isinstance(value, list):
+            found += value
+    return found
 
 
 def _param_tensors(engine) -> list[torch.Tensor]:
     buffers = _ddp_buffers(engine)
     if buffers:
         return [b.param_data for b in buffers if b.param_data is not None]
-    return [p.data for p in engine.module.parameters()]
+    return list(engine.module.parameters())  # the Parameters themselves: they keep the host copy
 
 
 def offload_params(engine) -> int:
@@ -59,6 +67,8 @@ def onload_grads(engine) -> int:
 
 
 def _optimizer_state_tensors(engine) -> list[torch.Tensor]:
+    if engine.optimizer is None:  # a frozen (reference) engine
+        return []
     optimizers = getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
     tensors = []
     for opt in optimizers:
@@ -76,3 +86,16 @@ def offload_optimizer(engine) -> int:
 
 def onload_optimizer(engine) -> int:
     return sum(_onload_tensor(t) for t in _optimizer_state_tensors(engine))
+
+
+def resident_bytes(engine) -> dict[str, int]:
+    """Bytes of the engine's parameters, gradients and optimizer state now held in (device) memory:
+    0 for what is offloaded."""
+    def held(tensors):
+        return sum(t.untyped_storage().nbytes() for t in tensors)
+
+    return {
+        "params": held(_param_tensors(engine)),
+        "grads": held(b.grad_data for b in _ddp_buffers(engine)),
+        "optimizer": held(_optimizer_state_tensors(engine)),
+    }

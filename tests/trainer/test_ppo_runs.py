@@ -45,12 +45,25 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     assert not (split / "checkpoints" / "step_00000003.tmp-step3").exists()
 
 
+OFFLOAD_ALL = {"ref.param_offload": "true",
+               **{f"{role}.{part}_offload": "true" for role in ("actor", "critic") for part in ("param", "grad", "optimizer")}}
+
+
 @pytest.mark.parametrize("nproc,tp,pp", [(2, 2, 1), (2, 1, 2), (2, 1, 1)], ids=["tp2", "pp2", "dp2"])
 def test_same_run_under_every_layout(tmp_path_factory, nproc, tp, pp, single_process_run):
     root = single_process_run.parent
     run_dir = tmp_path_factory.mktemp(f"layout_tp{tp}_pp{pp}")
-    launch_ok(nproc, small_run_overrides(root, run_dir, **{"trainer.total_steps": 2, "parallel.tp": tp, "parallel.pp": pp}))
+    # dp2 also offloads everything between phases: numbers must not change, memory must.
+    offload = OFFLOAD_ALL if (tp, pp) == (1, 1) else {}
+    launch_ok(nproc, small_run_overrides(root, run_dir, **{"trainer.total_steps": 2, "parallel.tp": tp, "parallel.pp": pp}, **offload))
     _assert_close(read_metrics(single_process_run), read_metrics(run_dir), rel=1e-3)
+    if offload:
+        kept, dropped = read_metrics(single_process_run)[1], read_metrics(run_dir)[1]
+        # Offloaded: nothing of actor, critic or reference stays in memory while the rollout generates.
+        assert dropped["memory/resident_gb/gen"] == 0 < dropped["memory/resident_gb/update_actor"]
+        assert kept["memory/resident_gb/gen"] > 0 and kept["perf/offload_bytes"] == 0
+        # Each step moves every engine's state out and back in.
+        assert dropped["perf/offload_bytes"] == dropped["perf/onload_bytes"] > 0
 
 
 @pytest.fixture(scope="module")
