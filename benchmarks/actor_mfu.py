@@ -12,20 +12,12 @@ H100/H200 bf16 dense). Megatron-LM reaches about 40-50% MFU on such GPUs for den
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-PRESETS = {  # hidden, intermediate, layers, heads, kv_heads, vocab
-    "tiny": (64, 128, 2, 4, 2, 301),
-    "1b": (2048, 5632, 16, 16, 8, 32000),
-}
+from _common import PRESETS, device_name, finish, random_llama  # benchmarks/_common.py
 
 
 def main() -> int:
@@ -46,17 +38,12 @@ def main() -> int:
     from megarl.engine.batch import SequenceBatch
     from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
     from megarl.parallel import dims_from_env
-    from megarl.tools.make_tiny_model import make_tiny_model
 
     gpu = torch.cuda.is_available()
     seq = args.seq_len if args.preset != "tiny" else min(args.seq_len, 64)
     hidden, inter, layers, heads, kv, vocab = PRESETS[args.preset]
     dims = dims_from_env(tp=args.tp, pp=args.pp).initialize()
-    model_dir = Path(tempfile.gettempdir()) / f"megarl_mfu_{args.preset}"
-    if dims.rank == 0 and not (model_dir / "config.json").exists():
-        make_tiny_model("llama", model_dir, hidden=hidden, intermediate=inter, layers=layers, heads=heads, kv_heads=kv,
-                        vocab_size=vocab, max_positions=max(seq, 64), init_std=0.02)
-    dist.barrier()
+    model_dir = random_llama(args.preset, dims, max_positions=seq, tag="mfu")
     dtype = "bfloat16" if gpu else "float32"
     engine = MegatronEngine(str(model_dir), dims, EngineConfig(dtype=dtype, optim=OptimConfig(lr=1e-6),
                                                                max_tokens_per_microbatch=seq * 2, recompute=args.recompute))
@@ -96,17 +83,11 @@ def main() -> int:
         "world_size": dims.world_size, "dtype": dtype, "recompute": args.recompute,
         "seconds_per_update": round(seconds, 4), "tokens_per_second": round(tokens / seconds, 1),
         "model_tflops_per_gpu": round(tflops_per_gpu, 2), "mfu": round(tflops_per_gpu / args.peak_tflops, 4) if gpu else None,
-        "device": torch.cuda.get_device_name() if gpu else platform.processor() or platform.machine(),
+        "device": device_name(),
         "date": time.strftime("%Y-%m-%d"),
         "note": "optimizer step and Megatron's distributed-optimizer all-gathers are included in the time",
     }
-    if dims.rank == 0:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-        print(json.dumps(result, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return finish(result, args.out, dims)
 
 
 if __name__ == "__main__":

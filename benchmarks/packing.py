@@ -12,21 +12,13 @@ RLHF rollouts: prompts of `--prompt` tokens +- 50%, responses uniform in [8, `--
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-PRESETS = {  # hidden, intermediate, layers, heads, kv_heads, vocab
-    "small": (256, 704, 4, 8, 4, 4096),
-    "1b": (2048, 5632, 16, 16, 8, 32000),
-}
+from _common import PRESETS, device_name, finish, random_llama  # benchmarks/_common.py
 
 
 def ragged_batch(n: int, prompt: int, response: int, vocab: int, rank: int):
@@ -59,17 +51,12 @@ def main() -> int:
     from megarl.algorithms import policy_loss
     from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
     from megarl.parallel import dims_from_env
-    from megarl.tools.make_tiny_model import make_tiny_model
 
     gpu = torch.cuda.is_available()
     hidden, inter, layers, heads, kv, vocab = PRESETS[args.preset]
     max_len = args.prompt * 3 // 2 + args.response
     dims = dims_from_env().initialize()
-    model_dir = Path(tempfile.gettempdir()) / f"megarl_packing_{args.preset}"
-    if dims.rank == 0 and not (model_dir / "config.json").exists():
-        make_tiny_model("llama", model_dir, hidden=hidden, intermediate=inter, layers=layers, heads=heads, kv_heads=kv,
-                        vocab_size=vocab, max_positions=max(max_len, 64), init_std=0.02)
-    dist.barrier()
+    model_dir = random_llama(args.preset, dims, max_positions=max_len, tag="packing")
     dtype = "bfloat16" if gpu else "float32"
     batch = ragged_batch(args.sequences, args.prompt, args.response, vocab, dims.dp_rank)
 
@@ -109,17 +96,11 @@ def main() -> int:
         "real_tokens_per_second": {k: round(real * dims.dp / v, 1) for k, v in median.items()},
         "speedup_packed_over_padded": round(median["padded"] / median["packed"], 3),
         "rounds": args.rounds,
-        "device": torch.cuda.get_device_name() if gpu else platform.processor() or platform.machine(),
+        "device": device_name(),
         "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
         "step": "forward_only (old log-probs) + one train_step (policy loss, Adam), as in a PPO actor update",
     }
-    if dims.rank == 0:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-        print(json.dumps(result, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return finish(result, args.out, dims)
 
 
 if __name__ == "__main__":

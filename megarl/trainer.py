@@ -16,10 +16,8 @@ same numbers.
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -349,7 +347,7 @@ class Trainer:
                 "critic/skipped_steps": float(stats.skipped_steps)}
 
     def _update_actor(self, b: SequenceBatch) -> dict[str, float]:
-        a, alg = self.cfg.actor, self.cfg.algorithm
+        a = self.cfg.actor
         low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
         high = a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio
         fields = ("old_logprobs", "advantages") + (("ref_logprobs",) if a.use_kl_loss else ())

@@ -1,7 +1,6 @@
 """Post-sync verification and the train/rollout probability-gap metrics, hand-worked."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

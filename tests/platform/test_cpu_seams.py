@@ -7,11 +7,9 @@ started in this process and torn down after the module.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megarl.platform import cpu_compat, init_platform
 

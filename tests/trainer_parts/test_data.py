@@ -14,7 +14,7 @@ from megarl.config import load_config
 from megarl.data.arithmetic import ArithmeticTask
 from megarl.data.batching import pad_left, pad_right
 from megarl.data.dataset import PromptDataset, encode_prompt, read_prompt_files
-from megarl.data.prepare import (DEFAULT_GSM8K_DIR, gsm8k_final_answer, prepare_arithmetic, prepare_gsm8k,
+from megarl.data.prepare import (DEFAULT_GSM8K_DIR, gsm8k_final_answer, prepare_gsm8k,
                                  prepare_if_missing, read_gsm8k_jsonl, write_parquet)
 
 REPO = Path(__file__).resolve().parents[2]
