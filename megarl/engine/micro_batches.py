@@ -115,7 +115,10 @@ def _packed(seqs: list[list[int]], width: int, device) -> dict:
 
     lens = [len(s) for s in seqs]
     used = sum(lens)
-    segments = lens + ([width - used] if width > used else [])  # the tail padding is a segment too
+    # The tail padding is made of segments too, none longer than the longest sequence: one long pad
+    # segment would set the attention width of the whole row (quadratic in it, on the local path).
+    pad, longest = width - used, max(lens)
+    segments = lens + [longest] * (pad // longest) + ([pad % longest] if pad % longest else [])
     ids = torch.zeros(1, width, dtype=torch.long)
     ids[0, :used] = torch.as_tensor([t for s in seqs for t in s], dtype=torch.long)
     # Positions restart at every sequence; RoPE takes them from cu_seqlens, absolute position

@@ -5,8 +5,11 @@ in one row, their boundaries in `PackedSeqParams.cu_seqlens_q`) through the whol
 restarts at every boundary (`rope_utils._apply_rotary_pos_emb_thd`), and the MLPs, norms and
 MoE routing are per-token anyway. Only the core attention must not look across a boundary, and
 Megatron's own local `DotProductAttention` refuses `thd` input (TE's fused kernels handle it on
-GPU). This subclass runs Megatron's attention once per sequence, so packed results are the padded
-results' math exactly, and no attention is spent on padding or across sequences.
+GPU). This subclass lays sequences of similar length (within a factor of two) side by side as a
+right-padded batch and runs Megatron's attention once per such group: the math of the padded
+layout (causal, so a sequence's own padding never reaches its tokens), at most twice the length of
+padding inside the attention and at most ~log2(longest) calls, while every other layer sees no
+padding at all.
 """
 from __future__ import annotations
 
@@ -22,17 +25,34 @@ class PackedDotProductAttention(DotProductAttention):
             raise ValueError(f"packed sequences in format {packed_seq_params.qkv_format!r}: only 'thd' is supported")
         if packed_seq_params.cu_seqlens_q_padded is not None or packed_seq_params.cu_seqlens_kv_padded is not None:
             raise ValueError("padded cu_seqlens (context parallelism) are not supported by the local attention")
-        # thd tensors are [tokens, heads, head_dim]; the parent wants [seq, batch=1, heads, head_dim].
-        bounds = packed_seq_params.cu_seqlens_q.tolist()
-        if packed_seq_params.cu_seqlens_kv.tolist() != bounds:
+        cu = packed_seq_params.cu_seqlens_q
+        if not torch.equal(cu, packed_seq_params.cu_seqlens_kv):
             raise ValueError("self-attention on packed sequences needs cu_seqlens_kv == cu_seqlens_q")
-        outputs = [
-            # attention_mask None: the parent's softmax builds the causal mask of this sequence.
-            super(PackedDotProductAttention, self).forward(
-                query[start:end].unsqueeze(1), key[start:end].unsqueeze(1), value[start:end].unsqueeze(1),
-                None, attn_mask_type, attention_bias,
-            )
-            for start, end in zip(bounds[:-1], bounds[1:])
-            if end > start
-        ]
-        return torch.cat(outputs, dim=0).squeeze(1)  # [tokens, heads * head_dim]
+        # thd tensors are [tokens, heads, head_dim]. Token i of the pack is position pos[i] of
+        # segment seg[i]; a group's batch is [its longest segment, its segments, heads, head_dim].
+        device = query.device
+        lens = (cu[1:] - cu[:-1]).long().to(device)
+        seg = torch.repeat_interleave(torch.arange(len(lens), device=device), lens)
+        pos = torch.arange(query.shape[0], device=device) - cu[:-1].long().to(device)[seg]
+        group_of_seg = torch.log2(lens.clamp_min(1).double()).floor().long()
+        order, pieces = [], []
+        for group in group_of_seg.unique().tolist():
+            members = (group_of_seg == group).nonzero().squeeze(1)
+            slot = torch.full_like(lens, -1)
+            slot[members] = torch.arange(len(members), device=device)
+            tokens = (group_of_seg[seg] == group).nonzero().squeeze(1)
+            where = (pos[tokens], slot[seg[tokens]])
+            shape = (int(lens[members].max()), len(members))
+            q, k, v = (_right_padded(t[tokens], where, shape) for t in (query, key, value))
+            # attention_mask None: the parent's softmax builds the causal mask.
+            context = super().forward(q, k, v, None, attn_mask_type, attention_bias)
+            pieces.append(context[where])
+            order.append(tokens)
+        return torch.cat(pieces)[torch.argsort(torch.cat(order))]  # [tokens, heads * head_dim], pack order
+
+
+def _right_padded(rows: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
+    """[length, sequences, ...] zeros with `rows` placed at (position, sequence) = where."""
+    out = rows.new_zeros(*shape, *rows.shape[1:])
+    out[where] = rows
+    return out

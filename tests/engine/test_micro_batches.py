@@ -83,3 +83,12 @@ def test_positions_past_a_short_response_stay_inside_their_sequence():
     [mb] = build(plan_packed([3, 5], 64, alone), batch, rows=[0, 1], fields=(), device=torch.device("cpu"))
     # Sequence 0 has one response token; its other slots clamp to its own last predicting position.
     assert mb["positions"].tolist() == [[1, 1, 1], [4, 5, 6]]
+
+
+def test_tail_padding_segments_are_no_longer_than_the_longest_sequence():
+    # Agreed width 20 (another DP rank's row), 7 tokens here: 13 pad tokens become 4 + 4 + 4 + 1.
+    batch = SequenceBatch([[1, 2, 3, 4], [5, 6, 7]], [2, 1], [0, 1], 2, {"response_mask": torch.ones(2, 2)})
+    plan = plan_packed([4, 3], budget=64, agree_max=with_other_rank([[1], [1], [20]]))
+    [mb] = build(plan, batch, rows=[0, 1], fields=(), device=torch.device("cpu"))
+    assert mb["packed_seq_params"].cu_seqlens_q.tolist() == [0, 4, 7, 11, 15, 19, 20]
+    assert mb["packed_seq_params"].max_seqlen_q == 4
