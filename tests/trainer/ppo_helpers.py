@@ -29,6 +29,7 @@ def small_run_overrides(root: Path, run_dir: Path, **extra) -> list[str]:
         "trainer.run_dir": str(run_dir),
         "tracking.progress_bar": "false",
         "trainer.save_every_steps": 0,
+        "model.sequence_packing": "true",  # the default of real configs (the demo pads)
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
