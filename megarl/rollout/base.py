@@ -8,6 +8,7 @@ or on the rollout layout.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import struct
 import warnings
 from dataclasses import dataclass, field
@@ -153,14 +154,22 @@ class MissingEngineError(ImportError):
         )
 
 
-def warn_if_version_differs(package: str, installed: str, target: str) -> None:
-    """The adapters follow one version's API exactly; say so when another one is installed."""
-    if installed != target:
+def import_engine(package: str, target_version: str):
+    """`import <package>` (the extra of the same name), or a MissingEngineError naming the extra and
+    the version megarl targets. The adapters follow that version's API exactly: another installed
+    version is said in a warning."""
+    try:
+        module = importlib.import_module(package)
+    except ImportError as e:
+        raise MissingEngineError(package, target_version, package) from e
+    installed = getattr(module, "__version__", "unknown")
+    if installed != target_version:
         warnings.warn(
-            f"megarl's {package} adapter targets {package}=={target} but {installed} is installed; "
-            f"the calls it makes were checked against {target} only (docs/rollout.md lists them).",
+            f"megarl's {package} adapter targets {package}=={target_version} but {installed} is installed; "
+            f"the calls it makes were checked against {target_version} only (docs/rollout.md lists them).",
             stacklevel=3,
         )
+    return module
 
 
 @dataclass

@@ -25,21 +25,14 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from megarl.rollout.base import (MissingEngineError, RolloutRequest, RolloutResult, SamplingParams, expand_samples,
-                                 warn_if_version_differs)
+from megarl.rollout.base import RolloutRequest, RolloutResult, SamplingParams, expand_samples, import_engine
 
 TARGET_SGLANG_VERSION = "0.5.23"
 _ALL_TAGS = ("kv_cache", "weights")
 
 
 def import_sglang():
-    """`import sglang`, or a MissingEngineError naming the extra and the version megarl targets."""
-    try:
-        import sglang
-    except ImportError as e:
-        raise MissingEngineError("sglang", TARGET_SGLANG_VERSION, "sglang") from e
-    warn_if_version_differs("sglang", getattr(sglang, "__version__", "unknown"), TARGET_SGLANG_VERSION)
-    return sglang
+    return import_engine("sglang", TARGET_SGLANG_VERSION)
 
 
 @dataclass

@@ -24,20 +24,13 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
-from megarl.rollout.base import (MissingEngineError, RolloutRequest, RolloutResult, SamplingParams, expand_samples,
-                                 warn_if_version_differs)
+from megarl.rollout.base import RolloutRequest, RolloutResult, SamplingParams, expand_samples, import_engine
 
 TARGET_VLLM_VERSION = "0.33.0"
 
 
 def import_vllm():
-    """`import vllm`, or a MissingEngineError naming the extra and the version megarl targets."""
-    try:
-        import vllm
-    except ImportError as e:
-        raise MissingEngineError("vllm", TARGET_VLLM_VERSION, "vllm") from e
-    warn_if_version_differs("vllm", getattr(vllm, "__version__", "unknown"), TARGET_VLLM_VERSION)
-    return vllm
+    return import_engine("vllm", TARGET_VLLM_VERSION)
 
 
 @dataclass
