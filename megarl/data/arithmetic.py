@@ -1,6 +1,6 @@
 """The `arithmetic` demo task: digit strings a tiny random model can learn from scratch.
 
-Sized with a plain-torch prototype (tests/trainer_parts/_prototype_demo.py): a 2-layer random
+Sized with a plain-torch prototype (docs/operations.md, "How the CPU demo was sized"): a 2-layer random
 Llama with a character vocabulary learns `copy` in a few dozen PPO steps, while true arithmetic
 ("(a+b) mod 10") does not move in 300 steps. The prompts use only characters of the tiny
 `digits` tokenizer: 0-9, `+`, `=`, `;` and space.
