@@ -141,7 +141,7 @@ class Trainer:
     def ppo_step(self) -> dict[str, float]:
         """One PPO iteration; returns the step's metrics (identical on every rank)."""
         cfg, alg, timing, resident = self.cfg, self.cfg.algorithm, {}, {}
-        clock = _Clock(timing, after=lambda name: resident.__setitem__(name, self._resident_bytes()))
+        clock = _Clock(timing, after=lambda name: resident.update({name: self._resident_bytes()}))
         moved_before = self._bytes_moved()
 
         with clock("timing_s/sync"):
@@ -212,8 +212,7 @@ class Trainer:
             "training/hybrid_sync_bytes": float(sync.bytes_received),
             "training/hybrid_sync_peak_bytes": float(sync.peak_extra_bytes),
             "training/data_dropped_prompts": float(self.data.num_dropped),
-            **{f"perf/{kind}_bytes": float(after - before)
-               for (kind, before), after in zip(moved_before.items(), self._bytes_moved().values())},
+            **{f"perf/{kind}_bytes": float(total - moved_before[kind]) for kind, total in self._bytes_moved().items()},
             **_memory_metrics(),
             **self._resident_metrics(resident),
             **self._rollout_gap(ro, b.tensors["old_logprobs"], mask),
@@ -419,9 +418,10 @@ class Trainer:
     def _engines(self) -> list:
         return [engine for engine in (self.actor, self.critic, self.ref) if engine is not None]
 
-    def _offload_all(self) -> int:
-        """Training state out of the way of the rollout (as configured); returns bytes moved."""
-        return sum(sum(engine.offload().values()) for engine in self._engines())
+    def _offload_all(self) -> None:
+        """Training state out of the way of the rollout (as configured; bytes counted by the engines)."""
+        for engine in self._engines():
+            engine.offload()
 
     def _bytes_moved(self) -> dict[str, int]:
         """Bytes offloaded and onloaded so far by this rank's engines."""

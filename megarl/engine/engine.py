@@ -149,10 +149,11 @@ class MegatronEngine:
         return micro_batches.build(plan, batch, rows, fields, self.device)
 
     def _agree_max(self, values: list[int]) -> list[int]:
-        t = torch.tensor(values, dtype=torch.long)
-        if self.dims.dp > 1:
-            t = all_reduce_host(t, self.dims.dp_group, op=dist.ReduceOp.MAX)
-        return t.tolist()
+        return self._over_dp(torch.tensor(values, dtype=torch.long), dist.ReduceOp.MAX).tolist()
+
+    def _over_dp(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """A small host tensor reduced over the data-parallel group."""
+        return all_reduce_host(t, self.dims.dp_group, op=op) if self.dims.dp > 1 else t
 
     def _outputs(self, model_output: torch.Tensor, mb: dict, want: tuple[str, ...], temperature: float) -> dict[str, torch.Tensor]:
         """Per-response-token outputs [rows, response_len] from the last stage's model output
@@ -286,17 +287,12 @@ class MegatronEngine:
         return grad_norm
 
     def _global_count(self, local: int) -> int:
-        t = torch.tensor([local], dtype=torch.long)
-        if self.dims.dp > 1:
-            t = all_reduce_host(t, self.dims.dp_group)
-        return int(t)
+        return int(self._over_dp(torch.tensor([local], dtype=torch.long)))
 
     def _totals(self, batch: SequenceBatch, rows: list[int]) -> dict[str, float]:
         """Valid tokens and non-empty sequences in the whole mini-batch (summed over DP)."""
         mask = batch.response_mask[rows] if rows else batch.response_mask[:0]
-        t = torch.tensor([mask.sum().item(), (mask.sum(-1) > 0).sum().item()], dtype=torch.float64)
-        if self.dims.dp > 1:
-            t = all_reduce_host(t, self.dims.dp_group)
+        t = self._over_dp(torch.tensor([mask.sum().item(), (mask.sum(-1) > 0).sum().item()], dtype=torch.float64))
         return {"tokens": float(t[0]), "seqs": float(t[1])}
 
     def _reduce_metrics(self, sums: dict[str, float], weight: float) -> dict[str, float]:
@@ -311,8 +307,7 @@ class MegatronEngine:
             if not self.dims.is_last_stage:
                 t = torch.zeros(1 + len(keys), dtype=torch.float64)
             t = broadcast_host(t, src, self.dims.pp_group)
-        if self.dims.dp > 1:
-            t = all_reduce_host(t, self.dims.dp_group)
+        t = self._over_dp(t)
         total = max(float(t[0]), 1e-12)
         return {k: float(v) / total for k, v in zip(keys, t[1:])}
 

@@ -94,8 +94,7 @@ def build(plan: Plan, batch: SequenceBatch, rows: Sequence[int], fields: Sequenc
         prompt_lens = torch.tensor([batch.prompt_lens[r] if r is not None else 1 for r in chunk])
         seq_lens = torch.tensor([len(s) for s in seqs])
         within = response_positions(prompt_lens, batch.response_len, seq_lens)  # [rows, R]
-        mb = _packed(seqs, plan.width, device) if plan.packed else _padded(seqs, plan.width, device)
-        starts = mb.pop("starts")
+        mb, starts = _packed(seqs, plan.width, device) if plan.packed else _padded(seqs, plan.width, device)
         mb["positions"] = within + starts.unsqueeze(1)
         mb["rows"] = chunk
         for name in dict.fromkeys(tuple(fields) + ("response_mask",)):
@@ -105,12 +104,14 @@ def build(plan: Plan, batch: SequenceBatch, rows: Sequence[int], fields: Sequenc
     return out
 
 
-def _padded(seqs: list[list[int]], width: int, device) -> dict:
+def _padded(seqs: list[list[int]], width: int, device) -> tuple[dict, torch.Tensor]:
+    """The micro-batch's model inputs, and where each sequence starts in its flattened outputs."""
     ids, _ = pad_right(seqs, pad_id=0, length=width)
-    return {"input_ids": ids.to(device), "starts": torch.arange(len(seqs)) * width}
+    return {"input_ids": ids.to(device)}, torch.arange(len(seqs)) * width
 
 
-def _packed(seqs: list[list[int]], width: int, device) -> dict:
+def _packed(seqs: list[list[int]], width: int, device) -> tuple[dict, torch.Tensor]:
+    """As `_padded`, for one packed row."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     lens = [len(s) for s in seqs]
@@ -128,4 +129,4 @@ def _packed(seqs: list[list[int]], width: int, device) -> dict:
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                              max_seqlen_q=max(segments), max_seqlen_kv=max(segments))
     starts = torch.tensor([0] + lens[:-1]).cumsum(0)
-    return {"input_ids": ids.to(device), "position_ids": position_ids.to(device), "packed_seq_params": params, "starts": starts}
+    return {"input_ids": ids.to(device), "position_ids": position_ids.to(device), "packed_seq_params": params}, starts

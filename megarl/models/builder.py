@@ -122,7 +122,7 @@ def layer_spec(spec: ModelSpec, use_te: bool | None = None):
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(num_experts=spec.num_experts, qk_layernorm=spec.qk_norm)
     local = get_gpt_layer_local_spec(num_experts=spec.num_experts, qk_layernorm=spec.qk_norm, normalization="RMSNorm")
-    # Megatron's local attention refuses packed (thd) micro-batches; ours runs it per sequence.
+    # Megatron's local attention refuses packed (thd) micro-batches; ours runs it per length group.
     local.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
     return local
 
