@@ -25,20 +25,6 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def check_inputs(cfg) -> None:
-    """Problems a user can fix without a traceback: missing model or data files."""
-    from megarl.config import ConfigError
-
-    if not os.path.isdir(cfg.model.path) and not cfg.model.make_tiny.enable:
-        raise ConfigError(f"model.path: {cfg.model.path} does not exist (give a Hugging Face model directory, "
-                          f"or set model.make_tiny.enable=true for a tiny random model)")
-    if cfg.data.auto_prepare is None:
-        for path in cfg.data.train_files:
-            if not os.path.isfile(path):
-                raise ConfigError(f"data.train_files: {path} does not exist (write it with launch/prepare_data.py, "
-                                  f"or set data.auto_prepare)")
-
-
 def prepare(cfg, rank: int) -> None:
     """Rank 0 creates what the demo needs: the tiny model and the dataset (others wait)."""
     if rank != 0:
@@ -64,7 +50,7 @@ def main(argv=None) -> int:
     from megarl.platform import quiet_known_warnings
 
     quiet_known_warnings()
-    from megarl.config import ConfigError, flatten, load_config, save_resolved, validate
+    from megarl.config import ConfigError, check_inputs, flatten, load_config, save_resolved, validate
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -77,7 +63,6 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
-    from megarl import checkpoint
     from megarl.parallel import ParallelDims
     from megarl.tracking import Tracker
     from megarl.trainer import Trainer
@@ -100,27 +85,14 @@ def main(argv=None) -> int:
         if rank == 0:
             print(f"error: {err}", file=sys.stderr)
         return 2
-    start = checkpoint.resume_point(run_dir, cfg.trainer.resume)
-    if start is not None:
-        trainer.step = checkpoint.restore(trainer, start)
-        if rank == 0:
-            print(f"resumed from {start} (step {trainer.step})", flush=True)
+    start = trainer.resume()
+    if start is not None and rank == 0:
+        print(f"resumed from {start} (step {trainer.step})", flush=True)
     tracker = Tracker(cfg.tracking, run_dir, rank=rank, total_steps=cfg.trainer.total_steps, start_step=trainer.step + 1,
                       resume=start is not None, params=flatten(cfg), log_every=cfg.trainer.log_every)
     status = "FAILED"
     try:
-        while trainer.step < cfg.trainer.total_steps:
-            trainer.step += 1
-            metrics = trainer.ppo_step()
-            val_every = cfg.trainer.val_every_steps
-            if trainer.val_data is not None and (trainer.step % val_every == 0 or trainer.step == cfg.trainer.total_steps):
-                metrics.update(trainer.validate())
-            tracker.log(metrics, step=trainer.step)
-            for name, fields in trainer._pending_events:
-                tracker.event(name, step=trainer.step, **fields)
-            every = cfg.trainer.save_every_steps
-            if every and (trainer.step % every == 0 or trainer.step == cfg.trainer.total_steps):
-                checkpoint.save(trainer, trainer.step)
+        trainer.train(tracker)
         status = "FINISHED"
     finally:
         tracker.close(status)

@@ -1,8 +1,8 @@
 """Save / resume of a whole PPO run, and HF export of a checkpoint.
 
 A checkpoint is `<run_dir>/checkpoints/step_XXXXXXXX/` holding `actor/` and `critic/` (Megatron
-distributed checkpoints: weights + optimizer, reshardable to any layout) and `trainer.pt` (step,
-KL controller, data position, guard state, LR scale). It is written into a temporary directory
+distributed checkpoints: weights + optimizer, reshardable to any layout) and `trainer.pt`
+(`Trainer.state_dict()`: step, KL controller, data position, guard state). It is written into a temporary directory
 and renamed into place with a COMPLETE marker (`megarl.checkpoint_io.atomic_dir`), so a run killed
 while saving resumes from the previous complete checkpoint.
 """
@@ -26,49 +26,39 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return latest_complete_checkpoint(checkpoints_root(run_dir))
 
 
-def save(trainer, step: int) -> Path:
-    """Collective: every rank writes its shards; rank 0 writes the trainer state and the marker."""
-    root = checkpoints_root(trainer.cfg.trainer.run_dir)
+def save(trainer, run_dir: str | Path, step: int, keep_last: int = 0) -> Path:
+    """Collective: every rank writes its engines' shards; rank 0 writes `trainer.state_dict()` and the
+    marker, then (keep_last > 0) deletes all but the newest keep_last complete checkpoints.
+
+    `trainer` is anything with `checkpointed_engines()` ({role: engine with save/load}) and
+    `state_dict()` / `load_state_dict()` (megarl.trainer.Trainer).
+    """
+    root = checkpoints_root(run_dir)
     final = step_dir(root, step)
     with atomic_dir(final, rank=dist.get_rank(), barrier=dist.barrier, token=f"step{step}") as tmp:
-        trainer.actor.save(str(tmp / "actor"))
-        if trainer.critic is not None:
-            trainer.critic.save(str(tmp / "critic"))
+        for role, engine in trainer.checkpointed_engines().items():
+            engine.save(str(tmp / role))
         if dist.get_rank() == 0:
-            torch.save(_trainer_state(trainer, step), tmp / "trainer.pt")
-    if dist.get_rank() == 0 and trainer.cfg.trainer.keep_last_checkpoints:
-        cleanup_old_checkpoints(root, trainer.cfg.trainer.keep_last_checkpoints)
+            torch.save(trainer.state_dict(), tmp / "trainer.pt")
+    if dist.get_rank() == 0 and keep_last:
+        cleanup_old_checkpoints(root, keep_last)
     return final
 
 
 def restore(trainer, path: str | Path, weights_only: bool = False) -> int:
-    """Load engines (and unless weights_only, the run state); returns the checkpoint's step."""
+    """Load the engines (and unless weights_only, `trainer.load_state_dict`); returns the checkpoint's step."""
     path = Path(path)
     if not (path / "trainer.pt").is_file():
         raise FileNotFoundError(f"{path} is not a megarl checkpoint (no trainer.pt)")
-    trainer.actor.load(str(path / "actor"))
-    if trainer.critic is not None:
-        if not (path / "critic").is_dir():
-            raise FileNotFoundError(f"{path} has no critic checkpoint, but algorithm.adv_estimator=gae needs one")
-        trainer.critic.load(str(path / "critic"))
+    engines = trainer.checkpointed_engines()
+    if "critic" in engines and not (path / "critic").is_dir():
+        raise FileNotFoundError(f"{path} has no critic checkpoint, but algorithm.adv_estimator=gae needs one")
+    for role, engine in engines.items():
+        engine.load(str(path / role))
     state = torch.load(path / "trainer.pt", weights_only=False)
     if not weights_only:
-        trainer.step = state["step"]
-        trainer.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        trainer.data.load_state_dict(state["data"])
-        trainer.guards.state.load_state_dict(state["guards"])
-        trainer.lr_scale = state["lr_scale"]
+        trainer.load_state_dict(state)
     return state["step"]
-
-
-def _trainer_state(trainer, step: int) -> dict:
-    return {
-        "step": step,
-        "kl_ctrl": trainer.kl_ctrl.state_dict(),
-        "data": trainer.data.state_dict(),
-        "guards": trainer.guards.state.state_dict(),
-        "lr_scale": trainer.lr_scale,
-    }
 
 
 def resume_point(run_dir: str | Path, resume: str) -> Path | None:

@@ -18,11 +18,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from megarl import algorithms as A
+from megarl import checkpoint
 from megarl.config import Config
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
@@ -46,6 +49,13 @@ def engine_config(cfg: Config, role: str, total_steps: int) -> EngineConfig:
     return EngineConfig(dtype=cfg.model.dtype, optim=optim, max_tokens_per_microbatch=r.max_tokens_per_microbatch,
                         param_offload=r.param_offload, grad_offload=r.grad_offload, optimizer_offload=r.optimizer_offload,
                         recompute=r.recompute, sequence_packing=cfg.model.sequence_packing)
+
+
+class StepResult(NamedTuple):
+    """What one `ppo_step` returns: its metrics and the guard events that fired, (name, fields)."""
+
+    metrics: dict[str, float]
+    events: list[tuple[str, dict]]
 
 
 @dataclass
@@ -103,8 +113,9 @@ class Trainer:
         self.ref = (MegatronEngine(cfg.model.path, dims, engine_config(cfg, "ref", t.total_steps), trainable=False)
                     if self.uses_ref else None)
         k = alg.kl_ctrl
+        # The KL coefficient's one writer: the controller (its update, and raise_coef for the KL guard).
         self.kl_ctrl = (A.AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon, min_kl_coef=k.min_coef, max_kl_coef=k.max_coef)
-                        if k.type == "adaptive" else A.FixedKLController(k.kl_coef))
+                        if k.type == "adaptive" else A.FixedKLController(k.kl_coef, max_kl_coef=k.max_coef))
 
         # Rollout engine + the 3D-HybridEngine that feeds it the actor's weights.
         r = cfg.rollout
@@ -134,12 +145,52 @@ class Trainer:
                 tokenizer=self.tokenizer, max_prompt_tokens=cfg.data.max_prompt_tokens,
                 apply_chat_template=cfg.data.apply_chat_template, log=lambda _: None)
         self.guards = Guards(cfg.guards)
-        self.step = 0
-        self.lr_scale = 1.0
+        self.step = 0  # PPO steps completed
+
+    # --- the loop and its state ---------------------------------------------------------------------
+    def train(self, tracker) -> None:
+        """Steps step+1 .. trainer.total_steps: PPO step, validation, metrics and guard events to
+        the tracker, checkpoints. Collective: every rank calls it."""
+        t = self.cfg.trainer
+        while self.step < t.total_steps:
+            self.step += 1
+            last = self.step == t.total_steps
+            metrics, events = self.ppo_step()
+            if self.val_data is not None and (self.step % t.val_every_steps == 0 or last):
+                metrics.update(self.validate())
+            tracker.log(metrics, step=self.step)
+            for name, fields in events:
+                tracker.event(name, step=self.step, **fields)
+            if t.save_every_steps and (self.step % t.save_every_steps == 0 or last):
+                checkpoint.save(self, t.run_dir, self.step, keep_last=t.keep_last_checkpoints)
+
+    def resume(self) -> Path | None:
+        """Load the checkpoint trainer.resume names (auto: the newest complete one, if any); returns it."""
+        start = checkpoint.resume_point(self.cfg.trainer.run_dir, self.cfg.trainer.resume)
+        if start is not None:
+            checkpoint.restore(self, start)
+        return start
+
+    def checkpointed_engines(self) -> dict[str, MegatronEngine]:
+        """The engines a checkpoint holds, by directory name (the reference is frozen: not saved)."""
+        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+
+    def state_dict(self) -> dict:
+        """The run state beside the engines' weights and optimizers (trainer.pt of a checkpoint)."""
+        return {"step": self.step, "kl_ctrl": self.kl_ctrl.state_dict(), "data": self.data.state_dict(),
+                "guards": self.guards.state.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        # Checkpoints written before this version also hold "lr_scale", which nothing read: ignored.
+        self.step = state["step"]
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.data.load_state_dict(state["data"])
+        self.guards.state.load_state_dict(state["guards"])
 
     # ------------------------------------------------------------------------------------------
-    def ppo_step(self) -> dict[str, float]:
-        """One PPO iteration; returns the step's metrics (identical on every rank)."""
+    def ppo_step(self) -> StepResult:
+        """One PPO iteration (step number self.step); returns the step's metrics (identical on every
+        rank) and the guard events that fired."""
         cfg, alg, timing, resident = self.cfg, self.cfg.algorithm, {}, {}
         clock = _Clock(timing, after=lambda name: resident.update({name: self._resident_bytes()}))
         moved_before = self._bytes_moved()
@@ -181,7 +232,7 @@ class Trainer:
         verdict = self.guards.before_update(reward_kl)
         metrics: dict[str, float] = {}
         if verdict.raise_kl_coef:
-            self.kl_ctrl.value = min(2 * self.kl_ctrl.value, alg.kl_ctrl.max_coef or float("inf"))
+            self.kl_ctrl.raise_coef(2.0)
         if self.critic is not None:
             with clock("timing_s/update_critic"):
                 metrics.update(self._update_critic(b))
@@ -224,10 +275,10 @@ class Trainer:
         step_time = sum(v for k, v in timing.items())
         metrics["timing_s/step"] = step_time
         metrics["perf/throughput"] = tokens / max(step_time, 1e-9) / self.dims.world_size
-        self._pending_events = verdict.events + after.events
-        for name, _ in self._pending_events:  # each guard firing is a metric as well as an event
+        events = verdict.events + after.events
+        for name, _ in events:  # each guard firing is a metric as well as an event
             metrics[name] = metrics.get(name, 0.0) + 1.0
-        return metrics
+        return StepResult(metrics, events)
 
     def validate(self) -> dict[str, float]:
         """Greedy responses to the next prompts_per_step validation prompts, scored: val/score/mean."""
@@ -401,19 +452,12 @@ class Trainer:
         # Roll back first: loading a checkpoint also restores the optimizers' learning rates, so
         # halving them before would be undone.
         if verdict.restore_checkpoint:
-            from megarl.checkpoint import latest_checkpoint, restore
-
-            latest = latest_checkpoint(self.cfg.trainer.run_dir)
+            latest = checkpoint.latest_checkpoint(self.cfg.trainer.run_dir)
             if latest is not None:
-                restore(self, latest, weights_only=True)
+                checkpoint.restore(self, latest, weights_only=True)
         if verdict.halve_lr:
-            self.lr_scale *= 0.5
-            for engine in (self.actor, self.critic):
-                if engine is not None:
-                    for group in engine.optimizer.param_groups:  # the scheduler reads max_lr / min_lr
-                        group["max_lr"] = group.get("max_lr", group["lr"]) * 0.5
-                        group["min_lr"] = group.get("min_lr", 0.0) * 0.5
-                        group["lr"] *= 0.5
+            for engine in self.checkpointed_engines().values():  # the trained engines
+                engine.scale_lr(0.5)
 
     def _engines(self) -> list:
         return [engine for engine in (self.actor, self.critic, self.ref) if engine is not None]

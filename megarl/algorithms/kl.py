@@ -107,15 +107,21 @@ def apply_kl_penalty(
 
 
 class FixedKLController:
-    """A constant KL coefficient; `update` is a no-op."""
+    """A constant KL coefficient; `update` is a no-op. Only `raise_coef` (the KL guard) moves it,
+    up to max_kl_coef."""
 
-    def __init__(self, kl_coef: float):
+    def __init__(self, kl_coef: float, max_kl_coef: float | None = None):
         if kl_coef < 0:
             raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
         self.value = float(kl_coef)
+        self.max_kl_coef = max_kl_coef
 
     def update(self, current_kl: float | torch.Tensor, n_steps: int) -> None:
         """No-op (kept so both controllers are used the same way)."""
+
+    def raise_coef(self, factor: float) -> None:
+        """Multiply the coefficient by factor, capped at max_kl_coef (the KL guard's action)."""
+        self.value = _capped(self.value * factor, self.max_kl_coef)
 
     def state_dict(self) -> dict[str, Any]:
         """Checkpointable state."""
@@ -172,6 +178,10 @@ class AdaptiveKLController:
         if self.max_kl_coef is not None:
             self.value = min(self.value, self.max_kl_coef)
 
+    def raise_coef(self, factor: float) -> None:
+        """Multiply the coefficient by factor, capped at max_kl_coef (the KL guard's action)."""
+        self.value = _capped(self.value * factor, self.max_kl_coef)
+
     def state_dict(self) -> dict[str, Any]:
         """Checkpointable state (the coefficient; target and horizon come from the config)."""
         return {"value": self.value}
@@ -179,3 +189,7 @@ class AdaptiveKLController:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()`'s output."""
         self.value = float(state["value"])
+
+
+def _capped(value: float, cap: float | None) -> float:
+    return value if cap is None else min(value, cap)

@@ -135,6 +135,14 @@ class MegatronEngine:
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"] if self.optimizer else 0.0
 
+    def scale_lr(self, factor: float) -> None:
+        """Multiply the learning rate by factor from now on. The scheduler recomputes each group's
+        lr from its max_lr / min_lr at every optimizer step, so those are scaled too."""
+        for group in self.optimizer.param_groups:
+            group["max_lr"] = group.get("max_lr", group["lr"]) * factor
+            group["min_lr"] = group.get("min_lr", 0.0) * factor
+            group["lr"] *= factor
+
     # --- micro-batching (megarl.engine.micro_batches) ------------------------------------------------
     def _micro_batches(self, batch: SequenceBatch, rows: list[int], fields: tuple[str, ...] = ()) -> list[dict]:
         from megarl.engine import micro_batches

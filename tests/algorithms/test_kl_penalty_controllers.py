@@ -92,6 +92,22 @@ def test_fixed_controller():
     assert other.value == 0.05
 
 
+def test_raise_coef_doubles_up_to_the_cap():
+    # The KL guard's action: 0.05 * 2 = 0.1, then 0.2 capped at 0.15; no cap: 0.05 * 2 * 2 = 0.2.
+    capped = FixedKLController(0.05, max_kl_coef=0.15)
+    capped.raise_coef(2.0)
+    assert capped.value == pytest.approx(0.1)
+    capped.raise_coef(2.0)
+    assert capped.value == pytest.approx(0.15)
+    free = FixedKLController(0.05)
+    free.raise_coef(2.0)
+    free.raise_coef(2.0)
+    assert free.value == pytest.approx(0.2)
+    adaptive = AdaptiveKLController(0.2, target_kl=1.0, horizon=100, max_kl_coef=0.3)
+    adaptive.raise_coef(2.0)  # 0.4 -> 0.3
+    assert adaptive.value == pytest.approx(0.3)
+
+
 def test_adaptive_controller_trajectory():
     ctrl = AdaptiveKLController(init_kl_coef=0.2, target_kl=6.0, horizon=10000)
     # kl 9: error clip(9/6 - 1 = 0.5) = 0.2; coef *= 1 + 0.2 * 256 / 10000 = 1.00512

@@ -1,0 +1,340 @@
+"""The run configuration's schema: one dataclass per section, one field per knob.
+
+Every knob is a field whose metadata holds its help text and numeric range (`knob`); nested
+sections are `section`s. YAML is only the serialisation of `Config` (megarl.config.loader);
+docs/configuration.md is rendered from these fields (megarl.config.docs). This module imports
+neither torch nor the disk.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+
+class ConfigError(ValueError):
+    """A bad config file, key or value; the message is one line a user can act on."""
+
+
+def knob(default: Any, help: str, **bounds: float) -> Any:
+    """A config field: default, one-line help, optional numeric bounds (ge, gt, le, lt)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help, **bounds})
+    return field(default=default, metadata={"help": help, **bounds})
+
+
+def section(cls: type, help: str, **defaults: Any) -> Any:
+    """A nested config section; `defaults` override the section class's own defaults here (a dict
+    value overrides fields of a nested section: `optim={"lr": 1e-5}`)."""
+    return field(default_factory=lambda: _with_defaults(cls(), defaults), metadata={"help": help})
+
+
+def _with_defaults(obj: Any, defaults: dict) -> Any:
+    changes = {}
+    for name, value in defaults.items():
+        current = getattr(obj, name)
+        changes[name] = _with_defaults(current, value) if isinstance(value, dict) and dataclasses.is_dataclass(current) \
+            else copy.deepcopy(value)
+    return dataclasses.replace(obj, **changes)
+
+
+@functools.lru_cache(maxsize=None)
+def hints(cls: type) -> dict[str, Any]:
+    """Resolved field annotations of a config class (this module uses postponed annotations)."""
+    return typing.get_type_hints(cls)
+
+
+# Spelled out (config must not import torch); a test keeps them equal to megarl.algorithms'
+# KL_KINDS_ALL (+ "full") and AGG_MODES.
+KLKind = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3",
+                 "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+", "full"]
+ADV_ESTIMATORS_WITH_GROUPS = ("grpo", "rloo")  # baselines from the other samples of a prompt
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+@dataclass
+class MakeTinyConfig:
+    """Options of megarl.tools.make_tiny_model (same names as its keyword arguments)."""
+
+    enable: bool = knob(False, "create a tiny random model at model.path when that directory does not exist (CPU demo)")
+    arch: Literal["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"] = knob("llama", "model family")
+    tokenizer: Literal["digits", "bpe"] = knob("digits", "digits: one token per character of 0-9 + - * = ; : ? # space; bpe: small byte-level BPE")
+    hidden: int = knob(64, "hidden size", ge=1)
+    intermediate: int = knob(256, "MLP hidden size", ge=1)
+    layers: int = knob(2, "transformer layers", ge=1)
+    heads: int = knob(4, "attention heads (must divide hidden)", ge=1)
+    kv_heads: int = knob(2, "key/value heads (must divide heads)", ge=1)
+    max_positions: int = knob(64, "maximum sequence length", ge=1)
+    tie: bool = knob(False, "tie input and output embeddings")
+    init_std: float = knob(0.1, "std of the random initialisation of matrices", gt=0)
+    seed: int = knob(0, "seed of the random initialisation", ge=0)
+
+
+@dataclass
+class ModelConfig:
+    path: str = knob("", "Hugging Face model directory (config.json, tokenizer, safetensors) of the actor")
+    dtype: Literal["float32", "bfloat16"] = knob("bfloat16", "parameter / compute dtype (optimizer state stays float32)")
+    sequence_packing: bool = knob(True, "remove padding: pack each micro-batch's sequences into one row "
+                                        "(Megatron thd format; verl's use_remove_padding); false = right-padded rows")
+    make_tiny: MakeTinyConfig = section(MakeTinyConfig, "tiny random model for CPU demos")
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = knob(1, "tensor-parallel size of actor, critic and reference training", ge=1)
+    pp: int = knob(1, "pipeline-parallel size", ge=1)
+    ep: int = knob(1, "expert-parallel size (MoE models)", ge=1)
+    etp: Optional[int] = knob(None, "expert tensor-parallel size; null = parallel.tp", ge=1)
+    vpp: Optional[int] = knob(None, "virtual pipeline stages per pipeline rank (interleaved schedule); null = off", ge=1)
+    cp: int = knob(1, "context-parallel size (long sequences)", ge=1)
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["hf", "vllm", "sglang"] = knob("hf", "inference engine that generates responses (hf runs on CPU)")
+    tp: int = knob(1, "tensor-parallel size of the inference engine", ge=1)
+    samples_per_prompt: int = knob(1, "responses sampled per prompt (GRPO/RLOO need >= 2)", ge=1)
+    temperature: float = knob(1.0, "sampling temperature", gt=0)
+    top_p: float = knob(1.0, "nucleus sampling mass", gt=0, le=1)
+    top_k: int = knob(-1, "top-k sampling; -1 = off", ge=-1)
+    max_new_tokens: int = knob(512, "response length limit, tokens", ge=1)
+    stop_token_ids: list[int] = knob([], "extra token ids that end a response (eos always does)")
+    gpu_memory_utilization: float = knob(0.5, "fraction of GPU memory the engine may take (vllm/sglang)", gt=0, le=1)
+    bucket_bytes: int = knob(512 * 2**20, "bytes per bucket of the actor -> engine weight stream", ge=1)
+    verify_weights: bool = knob(True, "after each weight sync, compare engine and actor log-probs and fail loudly")
+
+
+@dataclass
+class ArithmeticDataConfig:
+    kind: Literal["copy", "repeat", "add"] = knob("copy", "task: copy the digits, repeat the first digit, or add")
+    num_digits: int = knob(3, "digits per prompt operand", ge=1, le=9)
+    train_size: int = knob(20000, "rows of the generated train split", ge=1)
+    val_size: int = knob(512, "rows of the generated validation split", ge=1)
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = knob([], "Parquet files of training prompts (launch/prepare_data.py writes them)")
+    val_files: list[str] = knob([], "Parquet files of validation prompts")
+    prompt_key: str = knob("prompt", "column holding the prompt text")
+    ground_truth_key: str = knob("ground_truth", "column holding the reference answer given to the reward")
+    apply_chat_template: bool = knob(False, "wrap each prompt as a user message with the tokenizer's chat template")
+    max_prompt_tokens: int = knob(512, "longer prompts are dropped (the count is logged)", ge=1)
+    prompts_per_step: int = knob(256, "prompts per PPO step, global (responses = prompts * rollout.samples_per_prompt)", ge=1)
+    shuffle: bool = knob(True, "reshuffle the prompts each epoch (seeded by trainer.seed and the epoch)")
+    auto_prepare: Optional[Literal["arithmetic", "gsm8k"]] = knob(
+        None, "write this dataset to train_files[0] (and val_files[0]) when train_files[0] is missing")
+    gsm8k_source: Optional[str] = knob(None, "directory with GSM8K train.jsonl/test.jsonl for auto_prepare; null = ../shared/data/gsm8k")
+    arithmetic: ArithmeticDataConfig = section(ArithmeticDataConfig, "the generated arithmetic demo task")
+
+
+@dataclass
+class RoleOptimConfig:
+    """Optimizer and LR schedule of one trained role, counted in *trainer* steps (as verl counts).
+
+    The engine's `megarl.engine.engine.OptimConfig` counts optimizer steps instead;
+    `megarl.trainer.engine_config` converts (x ppo_epochs * ppo_mini_batches)."""
+
+    lr: float = knob(1e-6, "peak learning rate", gt=0)
+    betas: tuple[float, float] = knob((0.9, 0.999), "Adam betas")
+    weight_decay: float = knob(0.01, "decoupled weight decay", ge=0)
+    eps: float = knob(1e-8, "Adam epsilon", gt=0)
+    max_grad_norm: float = knob(1.0, "clip the global gradient norm to this", gt=0)
+    warmup_steps: int = knob(0, "linear warmup, in trainer steps (the schedule advances once per PPO step, as in verl)", ge=0)
+    schedule: Literal["constant", "cosine"] = knob("constant", "learning-rate schedule after warmup")
+    min_lr: float = knob(0.0, "learning rate the cosine schedule reaches at trainer.total_steps", ge=0)
+
+
+@dataclass
+class RoleConfig:
+    """What every trained role (actor, critic) has: its optimizer, the update's epoch x mini-batch
+    structure, micro-batching, offload and recomputation. Role-specific defaults (the critic's
+    lr and micro-batch size) are set where `Config` declares the role."""
+
+    optim: RoleOptimConfig = section(RoleOptimConfig, "optimizer and learning-rate schedule, counted in trainer steps")
+    ppo_epochs: int = knob(1, "passes over each step's responses", ge=1)
+    ppo_mini_batches: int = knob(4, "optimizer steps per epoch: the step's responses are split into this many mini-batches", ge=1)
+    max_tokens_per_microbatch: int = knob(16384, "tokens per forward/backward micro-batch, per DP rank", ge=1)
+    loss_agg_mode: LossAggMode = knob("token-mean", "how token losses become the batch loss (normalised over the global batch)")
+    param_offload: bool = knob(False, "keep parameters on CPU outside the update")
+    grad_offload: bool = knob(False, "keep gradients on CPU outside the update")
+    optimizer_offload: bool = knob(False, "keep optimizer state on CPU outside the update")
+    recompute: Literal["none", "selective", "full"] = knob("none", "activation recomputation granularity")
+
+
+@dataclass
+class ActorConfig(RoleConfig):
+    clip_ratio: float = knob(0.2, "PPO ratio clip epsilon", gt=0)
+    clip_ratio_low: Optional[float] = knob(None, "lower clip epsilon; null = clip_ratio", gt=0)
+    clip_ratio_high: Optional[float] = knob(None, "upper clip epsilon (DAPO clip-higher); null = clip_ratio", gt=0)
+    clip_ratio_c: float = knob(3.0, "dual-clip bound for negative advantages (Ye et al. 2020)", gt=1)
+    entropy_coeff: float = knob(0.0, "entropy bonus coefficient", ge=0)
+    use_kl_loss: bool = knob(False, "add a KL(actor || ref) loss term (GRPO style)")
+    kl_loss_coef: float = knob(0.001, "coefficient of the KL loss", ge=0)
+    kl_loss_type: KLKind = knob("low_var_kl", "KL estimator of the KL loss (a trailing + : straight-through k2 gradient)")
+    policy_loss: Literal["ppo", "gspo"] = knob("ppo", "token-level PPO or sequence-level GSPO ratio")
+
+
+@dataclass
+class CriticConfig(RoleConfig):
+    model_path: Optional[str] = knob(None, "HF directory to initialise the critic trunk from; null = model.path")
+    vf_clip: float = knob(0.5, "value clip range around the rollout values", gt=0)
+
+
+@dataclass
+class RefConfig:
+    param_offload: bool = knob(False, "keep the reference model on CPU between its forward passes")
+
+
+@dataclass
+class RewardConfig:
+    kind: Literal["auto", "gsm8k", "arithmetic", "function", "model"] = knob(
+        "auto", "auto picks the rule by each row's data_source (gsm8k, arithmetic)")
+    function: Optional[str] = knob(None, "'module:function' for kind=function, called like megarl.rewards.RewardFn")
+    model_path: Optional[str] = knob(None, "reward model (HF directory with a scalar head) for kind=model")
+    gsm8k_method: Literal["strict", "flexible"] = knob("strict", "strict: answer after '####'; flexible: last number")
+    format_score: float = knob(0.0, "score of a well-formed but wrong answer")
+
+
+@dataclass
+class KLControlConfig:
+    type: Literal["fixed", "adaptive"] = knob("fixed", "fixed coefficient or adaptive (Ziegler et al. 2019)")
+    kl_coef: float = knob(0.001, "(initial) KL coefficient", ge=0)
+    target_kl: float = knob(0.1, "adaptive: KL the controller steers to", gt=0)
+    horizon: int = knob(10000, "adaptive: controller horizon, in responses", ge=1)
+    min_coef: float = knob(0.0, "lower bound of the coefficient", ge=0)
+    max_coef: Optional[float] = knob(None, "upper bound of the coefficient; null = none", ge=0)
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "remax"] = knob(
+        "gae", "advantage estimator; gae trains a critic")
+    gamma: float = knob(1.0, "discount factor", ge=0, le=1)
+    lam: float = knob(1.0, "GAE lambda", ge=0, le=1)
+    norm_adv_by_std_in_grpo: bool = knob(True, "GRPO: divide by the group's score std (false = Dr. GRPO)")
+    use_kl_in_reward: bool = knob(False, "subtract kl_coef * KL(actor || ref) from the token rewards")
+    kl_penalty: KLKind = knob("kl", "KL estimator of the in-reward penalty")
+    kl_ctrl: KLControlConfig = section(KLControlConfig, "KL coefficient controller")
+
+
+@dataclass
+class GuardsConfig:
+    kl_threshold: float = knob(0.0, "mean token KL(actor || ref) of a rollout above which kl_action fires; 0 = off", ge=0)
+    kl_action: Literal["raise_coef", "skip_update"] = knob(
+        "raise_coef", "double the KL coefficient (up to max_coef), or skip the actor update of that step")
+    grad_norm_threshold: float = knob(0.0, "skip an optimizer step whose grad norm (before clipping) exceeds this; 0 = off", ge=0)
+    nan_skip_and_restore: bool = knob(True, "skip a step with non-finite loss/grad norm; restore the last checkpoint after nan_patience in a row")
+    nan_patience: int = knob(3, "consecutive non-finite steps before restoring", ge=1)
+    reward_collapse_fraction: float = knob(
+        0.0, "score below this fraction of its EMA: halve the LRs and roll back to the last checkpoint; 0 = off", ge=0, lt=1)
+    reward_ema_steps: int = knob(10, "EMA window of the score, in steps (also the steps before the guard arms)", ge=1)
+
+
+@dataclass
+class TrackingConfig:
+    mlflow: bool = knob(True, "log params and metrics to MLflow")
+    tracking_uri: Optional[str] = knob(None, "MLflow tracking URI; null = a local store inside trainer.run_dir")
+    experiment: str = knob("megarl", "MLflow experiment name")
+    run_name: Optional[str] = knob(None, "MLflow run name; null = basename of trainer.run_dir")
+    progress_bar: bool = knob(True, "console progress bar over steps with score, pg_loss and kl")
+
+
+@dataclass
+class TrainerConfig:
+    run_dir: str = knob("runs/megarl", "checkpoints, metrics.jsonl, resolved config and the MLflow store go here")
+    total_steps: int = knob(100, "PPO steps to run", ge=1)
+    seed: int = knob(1, "seed of data order, sampling and init; randomness never depends on the layout", ge=0)
+    save_every_steps: int = knob(0, "checkpoint every N steps (and at the end); 0 = never", ge=0)
+    keep_last_checkpoints: int = knob(0, "delete older complete checkpoints beyond this many; 0 = keep all", ge=0)
+    resume: str = knob("auto", "auto (latest complete checkpoint in run_dir, if any) | never | a checkpoint path")
+    log_every: int = knob(1, "console log interval, steps (metrics.jsonl gets every step)", ge=1)
+    val_every_steps: int = knob(0, "validate every N steps on data.val_files; 0 = never", ge=0)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = section(ModelConfig, "the actor model")
+    parallel: ParallelConfig = section(ParallelConfig, "Megatron training layout")
+    rollout: RolloutConfig = section(RolloutConfig, "response generation")
+    data: DataConfig = section(DataConfig, "prompts")
+    actor: ActorConfig = section(ActorConfig, "policy update")
+    critic: CriticConfig = section(CriticConfig, "value model (adv_estimator=gae)",
+                                   optim={"lr": 1e-5}, max_tokens_per_microbatch=32768)
+    ref: RefConfig = section(RefConfig, "frozen reference policy")
+    reward: RewardConfig = section(RewardConfig, "scoring of responses")
+    algorithm: AlgorithmConfig = section(AlgorithmConfig, "advantages and KL control")
+    guards: GuardsConfig = section(GuardsConfig, "automatic reactions to unhealthy steps")
+    tracking: TrackingConfig = section(TrackingConfig, "metrics")
+    trainer: TrainerConfig = section(TrainerConfig, "run control")
+
+
+# ------------------------------------------------------------------------------------------
+# Values against the schema's types (used when loading and again when validating)
+# ------------------------------------------------------------------------------------------
+
+def convert(value: Any, tp: Any, key: str) -> Any:
+    """Check (and lightly coerce) one YAML value against its annotated type."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        try:
+            return convert(value, inner, key)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (or null)") from None
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, args))}")
+        return value
+    if origin in (list, tuple):
+        if origin is list and not isinstance(value, list) and value is not None:
+            value = [value]  # `data.train_files=a.parquet` means a one-file list
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        if origin is tuple:
+            if len(value) != len(args):
+                raise ConfigError(f"{key}: expected a list of {len(args)} values, got {value!r}")
+            return tuple(convert(v, a, key) for v, a in zip(value, args))
+        return [convert(v, args[0], key) for v in value]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        number = _number(value)
+        if number is None or not float(number).is_integer():
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return int(number)
+    if tp is float:
+        number = _number(value)
+        if number is None:
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(number)
+    if tp is str:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # `tracking.experiment=2024` is a name, not a number
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise AssertionError(f"unsupported config type {tp} for {key}")
+
+
+def _number(value: Any) -> int | float | None:
+    """int/float, or a string YAML 1.1 leaves unparsed such as '1e-6'; None if not a finite number."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return None
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return value
+    return None

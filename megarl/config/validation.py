@@ -1,0 +1,117 @@
+"""Validation of a `Config`: ranges, enums and cross-field rules, and, given the world size, the
+layout and batch-size arithmetic. Pure: nothing here reads the disk (that is megarl.config.inputs),
+so a config can be validated anywhere, before any process group exists.
+
+    sizes = validate(cfg, world_size)   # BatchSizes, printed at start-up
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+from megarl.config.schema import ADV_ESTIMATORS_WITH_GROUPS, Config, ConfigError, convert, hints
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    """Sizes derived from the config and the world size; printed at start-up."""
+
+    world_size: int
+    dp: int
+    prompts_per_dp_rank: int
+    responses_per_step: int
+    responses_per_dp_rank: int
+    actor_responses_per_minibatch_per_dp_rank: int
+    critic_responses_per_minibatch_per_dp_rank: int
+
+
+def validate(cfg: Config, world_size: int | None = None) -> BatchSizes | None:
+    """Check values (ranges, enums, cross-field rules); with `world_size`, also the layout arithmetic.
+
+    Files and directories named by the config are checked by `megarl.config.inputs.check_inputs`."""
+    _check_bounds(cfg, "")
+    a, alg, r = cfg.actor, cfg.algorithm, cfg.reward
+    if not cfg.model.path:
+        raise ConfigError("model.path is required (a Hugging Face model directory)")
+    if not cfg.data.train_files:
+        raise ConfigError("data.train_files is empty: give at least one Parquet file (launch/prepare_data.py)")
+    if alg.adv_estimator in ADV_ESTIMATORS_WITH_GROUPS and cfg.rollout.samples_per_prompt < 2:
+        raise ConfigError(f"algorithm.adv_estimator={alg.adv_estimator} needs rollout.samples_per_prompt >= 2 "
+                          f"(its baseline is the other samples of the prompt), got {cfg.rollout.samples_per_prompt}")
+    for name, optim in (("actor", a.optim), ("critic", cfg.critic.optim)):
+        if optim.min_lr > optim.lr:
+            raise ConfigError(f"{name}.optim.min_lr = {optim.min_lr} is above {name}.optim.lr = {optim.lr}")
+        if not all(0 <= b < 1 for b in optim.betas):
+            raise ConfigError(f"{name}.optim.betas must each be in [0, 1), got {list(optim.betas)}")
+    if r.kind == "function" and (not r.function or r.function.count(":") != 1):
+        raise ConfigError(f"reward.kind=function needs reward.function='module:function', got {r.function!r}")
+    if r.kind == "model" and not r.model_path:
+        raise ConfigError("reward.kind=model needs reward.model_path")
+    if alg.kl_ctrl.max_coef is not None and alg.kl_ctrl.max_coef < alg.kl_ctrl.min_coef:
+        raise ConfigError(f"algorithm.kl_ctrl.max_coef = {alg.kl_ctrl.max_coef} is below "
+                          f"algorithm.kl_ctrl.min_coef = {alg.kl_ctrl.min_coef}")
+    p = cfg.parallel
+    # Accepted by ParallelDims, not yet by the engine's forward paths: refuse rather than run wrong.
+    if p.cp != 1:
+        raise ConfigError(f"parallel.cp = {p.cp}: context parallelism is not supported by the trainer yet; use parallel.cp=1")
+    if p.vpp is not None and p.vpp > 1:
+        raise ConfigError(f"parallel.vpp = {p.vpp}: interleaved pipeline schedules are not supported by the trainer yet; "
+                          f"use parallel.vpp=null")
+    if world_size is None:
+        return None
+    return _check_layout(cfg, world_size)
+
+
+def _check_layout(cfg: Config, world_size: int) -> BatchSizes:
+    p = cfg.parallel
+    if world_size < 1:
+        raise ConfigError(f"world size must be >= 1, got {world_size}")
+    model_parallel = p.tp * p.pp * p.cp
+    if world_size % model_parallel:
+        raise ConfigError(f"world size {world_size} is not divisible by parallel.tp * parallel.pp * parallel.cp "
+                          f"= {p.tp} * {p.pp} * {p.cp} = {model_parallel}")
+    dp = world_size // model_parallel
+    etp = p.etp or p.tp
+    expert_parallel = etp * p.ep * p.pp
+    if world_size % expert_parallel:
+        raise ConfigError(f"world size {world_size} is not divisible by parallel.etp * parallel.ep * parallel.pp "
+                          f"= {etp} * {p.ep} * {p.pp} = {expert_parallel}")
+    if world_size % cfg.rollout.tp:
+        raise ConfigError(f"world size {world_size} is not divisible by rollout.tp = {cfg.rollout.tp}")
+    prompts, n = cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt
+    if prompts % dp:
+        raise ConfigError(f"data.prompts_per_step = {prompts} is not divisible by the data-parallel size {dp} "
+                          f"(world size {world_size} / (tp * pp * cp = {model_parallel}))")
+    responses = prompts * n
+    per_minibatch = {}
+    roles = ("actor", "critic") if cfg.algorithm.adv_estimator == "gae" else ("actor",)
+    for role in ("actor", "critic"):
+        mini = getattr(cfg, role).ppo_mini_batches
+        if role in roles and responses % (dp * mini):
+            raise ConfigError(
+                f"data.prompts_per_step * rollout.samples_per_prompt = {prompts} * {n} = {responses} responses per step "
+                f"is not divisible by DP size * {role}.ppo_mini_batches = {dp} * {mini} = {dp * mini}")
+        per_minibatch[role] = responses // (dp * mini)
+    return BatchSizes(world_size=world_size, dp=dp, prompts_per_dp_rank=prompts // dp, responses_per_step=responses,
+                      responses_per_dp_rank=responses // dp,
+                      actor_responses_per_minibatch_per_dp_rank=per_minibatch["actor"],
+                      critic_responses_per_minibatch_per_dp_rank=per_minibatch["critic"])
+
+
+def _check_bounds(obj: Any, prefix: str) -> None:
+    """Re-check types and enums (a Config built in code gets them too) and each field's bounds."""
+    types_of = hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_bounds(value, key + ".")
+            continue
+        convert(value, types_of[f.name], key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        for bound, ok, word in (("ge", operator.ge, ">="), ("gt", operator.gt, ">"),
+                                ("le", operator.le, "<="), ("lt", operator.lt, "<")):
+            if bound in f.metadata and not ok(value, f.metadata[bound]):
+                raise ConfigError(f"{key} must be {word} {f.metadata[bound]}, got {value}")
