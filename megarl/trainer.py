@@ -17,38 +17,53 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
+import psutil
 import torch
 import torch.distributed as dist
+from transformers import AutoTokenizer
 
 from megarl import algorithms as A
 from megarl import checkpoint
 from megarl.config import Config
+from megarl.data.dataset import PromptDataset, PromptRow
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
 from megarl.global_batch import GlobalBatch
 from megarl.guards import Guards
+from megarl.hybrid.dispatch import DispatchGroups, consecutive_rollout_group, generate_for_training
+from megarl.hybrid.engine import HybridEngine
+from megarl.hybrid.layout import RolloutLayout, TrainLayout
+from megarl.hybrid.verify import compare_logprobs, token_prob_diff
+from megarl.models.convert import to_hf, weight_mappings
 from megarl.parallel import ParallelDims, all_reduce_host
+from megarl.rewards import build_reward_fn
+from megarl.rewards.model import RewardModel
+from megarl.rollout import build_rollout_engine
+from megarl.rollout.base import RolloutRequest, SamplingParams
+from megarl.samples import Rollout, Sample, to_rollout
+from megarl.step_metrics import local_stats, step_metrics
 
 
 def engine_config(cfg: Config, role: str, total_steps: int) -> EngineConfig:
     """The Megatron engine settings of one role (actor / critic / ref) from the run config."""
     if role == "ref":
         return EngineConfig(dtype=cfg.model.dtype, param_offload=cfg.ref.param_offload, sequence_packing=cfg.model.sequence_packing)
-    r = getattr(cfg, role)
-    o = r.optim
-    updates_per_step = r.ppo_epochs * r.ppo_mini_batches
-    # Schedules count trainer steps in the config (as verl does); Megatron's scheduler counts
-    # optimizer steps, so convert.
-    optim = OptimConfig(lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay, eps=o.eps, max_grad_norm=o.max_grad_norm,
-                        warmup_steps=o.warmup_steps * updates_per_step, schedule=o.schedule, min_lr=o.min_lr,
-                        total_steps=total_steps * updates_per_step)
-    return EngineConfig(dtype=cfg.model.dtype, optim=optim, max_tokens_per_microbatch=r.max_tokens_per_microbatch,
-                        param_offload=r.param_offload, grad_offload=r.grad_offload, optimizer_offload=r.optimizer_offload,
-                        recompute=r.recompute, sequence_packing=cfg.model.sequence_packing)
+    role_cfg = getattr(cfg, role)
+    schedule = role_cfg.optim
+    updates_per_step = role_cfg.ppo_epochs * role_cfg.ppo_mini_batches
+    # Schedules count trainer steps in the config (RoleOptimConfig, as verl does); Megatron's
+    # scheduler counts optimizer steps (the engine's OptimConfig), so convert.
+    optim = OptimConfig(lr=schedule.lr, betas=tuple(schedule.betas), weight_decay=schedule.weight_decay, eps=schedule.eps,
+                        max_grad_norm=schedule.max_grad_norm, warmup_steps=schedule.warmup_steps * updates_per_step,
+                        schedule=schedule.schedule, min_lr=schedule.min_lr, total_steps=total_steps * updates_per_step)
+    return EngineConfig(dtype=cfg.model.dtype, optim=optim, max_tokens_per_microbatch=role_cfg.max_tokens_per_microbatch,
+                        param_offload=role_cfg.param_offload, grad_offload=role_cfg.grad_offload,
+                        optimizer_offload=role_cfg.optimizer_offload, recompute=role_cfg.recompute,
+                        sequence_packing=cfg.model.sequence_packing)
 
 
 class StepResult(NamedTuple):
@@ -58,34 +73,8 @@ class StepResult(NamedTuple):
     events: list[tuple[str, dict]]
 
 
-@dataclass
-class Rollout:
-    """This DP rank's samples of one step."""
-
-    batch: SequenceBatch
-    rollout_logprobs: torch.Tensor  # [m, R], from the engine (temperature-scaled where it reports them)
-    logprobs_are_scaled: bool  # False: the engine reported top-k/top-p-processed log-probs only
-    prompts: list[str]
-    responses: list[str]
-    ground_truths: list[str]
-    data_sources: list[str]
-    extras: list[dict]
-    group_ids: torch.Tensor  # [m] global prompt index
-
-
 class Trainer:
     def __init__(self, cfg: Config, dims: ParallelDims, log=print):
-        from transformers import AutoTokenizer
-
-        from megarl.data.dataset import PromptDataset
-        from megarl.hybrid.dispatch import DispatchGroups, consecutive_rollout_group
-        from megarl.hybrid.engine import HybridEngine
-        from megarl.hybrid.layout import RolloutLayout, TrainLayout
-        from megarl.models.convert import to_hf, weight_mappings
-        from megarl.rewards import build_reward_fn
-        from megarl.rollout import build_rollout_engine
-        from megarl.rollout.base import SamplingParams
-
         self.cfg, self.dims, self.log = cfg, dims, log
         self.global_batch = GlobalBatch(dims)
         t = cfg.trainer
@@ -98,8 +87,6 @@ class Trainer:
             log=log if dims.rank == 0 else (lambda _: None))
         reward_model = None
         if cfg.reward.kind == "model":
-            from megarl.rewards.model import RewardModel
-
             reward_model = RewardModel(cfg.reward.model_path, dims, dtype=cfg.model.dtype,
                                        sequence_packing=cfg.model.sequence_packing)
         self.reward_fn = build_reward_fn(cfg.reward, reward_model)
@@ -112,12 +99,14 @@ class Trainer:
                        if self.uses_critic else None)
         self.ref = (MegatronEngine(cfg.model.path, dims, engine_config(cfg, "ref", t.total_steps), trainable=False)
                     if self.uses_ref else None)
-        k = alg.kl_ctrl
+        kl_cfg = alg.kl_ctrl
         # The KL coefficient's one writer: the controller (its update, and raise_coef for the KL guard).
-        self.kl_ctrl = (A.AdaptiveKLController(k.kl_coef, k.target_kl, k.horizon, min_kl_coef=k.min_coef, max_kl_coef=k.max_coef)
-                        if k.type == "adaptive" else A.FixedKLController(k.kl_coef, max_kl_coef=k.max_coef))
+        self.kl_ctrl = (A.AdaptiveKLController(kl_cfg.kl_coef, kl_cfg.target_kl, kl_cfg.horizon,
+                                               min_kl_coef=kl_cfg.min_coef, max_kl_coef=kl_cfg.max_coef)
+                        if kl_cfg.type == "adaptive" else A.FixedKLController(kl_cfg.kl_coef, max_kl_coef=kl_cfg.max_coef))
 
-        # Rollout engine + the 3D-HybridEngine that feeds it the actor's weights.
+        # --- rollout construction: the inference engine, the 3D-HybridEngine that feeds it the
+        # actor's weights, the dispatch groups, the sampling parameters --------------------------
         r = cfg.rollout
         group, group_ranks, group_rank = consecutive_rollout_group(r.tp)
         engine_options = {
@@ -137,6 +126,7 @@ class Trainer:
         stop = tuple(r.stop_token_ids) + ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self.sampling = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
                                        top_k=max(r.top_k, 0), max_new_tokens=r.max_new_tokens, stop_token_ids=stop, seed=t.seed)
+        # --- end of rollout construction ----------------------------------------------------------
         self.val_data = None
         if t.val_every_steps and cfg.data.val_files:
             self.val_data = PromptDataset(
@@ -195,108 +185,114 @@ class Trainer:
         clock = _Clock(timing, after=lambda name: resident.update({name: self._resident_bytes()}))
         moved_before = self._bytes_moved()
 
+        # 1. Sync: the actor's current weights into the rollout engine; training state out of its way.
         with clock("timing_s/sync"):
             sync = self.hybrid.sync(self.rollout, self._actor_shards())
             self._offload_all()
-        with clock("timing_s/gen"):
-            ro = self._generate()
-            self.rollout.release_memory()
-        b, mask = ro.batch, ro.batch.response_mask
 
+        # 2. Generate samples_per_prompt responses to this rank's prompts.
+        with clock("timing_s/gen"):
+            samples = self._generate(self.data.next_step(), self.sampling)
+            self.rollout.release_memory()
+        rollout = to_rollout(samples, self.sampling.n, self.sampling.max_new_tokens)
+        batch, mask = rollout.batch, rollout.batch.response_mask
+
+        # 3. Score the samples with the models: old log-probs (+ entropy), reference log-probs, values.
         with clock("timing_s/old_log_prob"):
-            out = self.actor.forward_only(b, want=("logprobs", "entropy"), temperature=self.sampling.temperature)
-            b.tensors["old_logprobs"], entropy = out["logprobs"], out["entropy"]
-        self._verify_sync(ro, b.tensors["old_logprobs"], mask)
+            out = self.actor.forward_only(batch, want=("logprobs", "entropy"), temperature=self.sampling.temperature)
+            batch.tensors["old_logprobs"], entropy = out["logprobs"], out["entropy"]
+        self._verify_sync(rollout, batch.tensors["old_logprobs"], mask)
         if self.ref is not None:
             with clock("timing_s/ref"):
-                b.tensors["ref_logprobs"] = self.ref.forward_only(b, temperature=self.sampling.temperature)["logprobs"]
+                batch.tensors["ref_logprobs"] = self.ref.forward_only(batch, temperature=self.sampling.temperature)["logprobs"]
                 self.ref.offload()
         if self.critic is not None:
             with clock("timing_s/values"):
-                b.tensors["old_values"] = self.critic.forward_only(b)["values"]
+                batch.tensors["old_values"] = self.critic.forward_only(batch)["values"]
 
+        # 4. Rewards: the reward function's score on the last response token, minus the KL penalty.
         with clock("timing_s/reward"):
-            scores = torch.tensor(self.reward_fn(ro.prompts, ro.responses, ro.ground_truths, ro.data_sources, ro.extras), dtype=torch.float32)
+            scores = torch.tensor(self._score(samples), dtype=torch.float32)
             token_scores = _scores_at_last_token(scores, mask)
             token_rewards, reward_kl = token_scores, 0.0
             if alg.use_kl_in_reward:
-                token_rewards, _ = A.apply_kl_penalty(token_scores, b.tensors["old_logprobs"], b.tensors["ref_logprobs"],
+                token_rewards, _ = A.apply_kl_penalty(token_scores, batch.tensors["old_logprobs"], batch.tensors["ref_logprobs"],
                                                       mask, self.kl_ctrl.value, alg.kl_penalty)
             if self.ref is not None:
-                kl = A.kl_penalty(b.tensors["old_logprobs"], b.tensors["ref_logprobs"], alg.kl_penalty) * mask
+                kl = A.kl_penalty(batch.tensors["old_logprobs"], batch.tensors["ref_logprobs"], alg.kl_penalty) * mask
                 reward_kl = self.global_batch.mean(A.masked_mean(kl, mask, dim=-1))
 
+        # 5. Advantages and returns over the global batch.
         with clock("timing_s/adv"):
-            self._compute_advantages(ro, scores, token_rewards)
+            self._compute_advantages(rollout, scores, token_rewards)
 
-        verdict = self.guards.before_update(reward_kl)
-        metrics: dict[str, float] = {}
-        if verdict.raise_kl_coef:
+        # 6. Update: critic, then actor; each runs ppo_epochs x ppo_mini_batches optimizer steps.
+        before = self.guards.before_update(reward_kl)
+        update: dict[str, float] = {}
+        if before.raise_kl_coef:
             self.kl_ctrl.raise_coef(2.0)
         if self.critic is not None:
             with clock("timing_s/update_critic"):
-                metrics.update(self._update_critic(b))
-        if not verdict.skip_actor_update:
+                update.update(self._update_critic(batch))
+        if not before.skip_actor_update:
             with clock("timing_s/update_actor"):
-                metrics.update(self._update_actor(b))
+                update.update(self._update_actor(batch))
+
+        # 7. Control: KL controller, batch statistics (one reduction), guards, metrics.
         if alg.use_kl_in_reward:
             self.kl_ctrl.update(reward_kl, n_steps=cfg.data.prompts_per_step * cfg.rollout.samples_per_prompt)
-
-        score_mean = self.global_batch.mean(scores)
-        after = self.guards.after_update(score_mean, all(math.isfinite(v) for v in metrics.values()))
+        batch_stats = self.global_batch.reduce(local_stats(
+            scores=scores, token_rewards=token_rewards, mask=mask, advantages=batch.tensors["advantages"],
+            returns=batch.tensors["returns"], entropy=entropy, prompt_tokens=sum(batch.prompt_lens),
+            max_new_tokens=self.sampling.max_new_tokens, old_values=batch.tensors.get("old_values"),
+            rollout_prob_diff=token_prob_diff(rollout.rollout_logprobs, batch.tensors["old_logprobs"], mask)))
+        after = self.guards.after_update(batch_stats["critic/score/mean"], all(math.isfinite(v) for v in update.values()))
         self._apply_guard_actions(after)
-        resp_len = mask.sum(-1)
-        tokens = self.global_batch.sum(mask.sum() + torch.tensor(float(sum(b.prompt_lens))))
-        metrics.update({
-            "critic/score/mean": score_mean,
-            "critic/score/max": self.global_batch.max(scores),
-            "critic/score/min": self.global_batch.min(scores),
-            "critic/rewards/mean": self.global_batch.mean((token_rewards * mask).sum(-1)),
-            "critic/advantages/mean": self.global_batch.masked_mean(b.tensors["advantages"], mask),
-            "critic/returns/mean": self.global_batch.masked_mean(b.tensors["returns"], mask),
-            "actor/entropy": self.global_batch.masked_mean(entropy, mask),
-            "actor/reward_kl_penalty": reward_kl,
-            "actor/reward_kl_penalty_coeff": float(self.kl_ctrl.value),
-            "actor/lr": self.actor.lr,
-            "response_length/mean": self.global_batch.mean(resp_len.float()),
-            "response_length/clip_ratio": self.global_batch.mean((resp_len >= self.sampling.max_new_tokens).float()),
-            "training/hybrid_sync_bytes": float(sync.bytes_received),
-            "training/hybrid_sync_peak_bytes": float(sync.peak_extra_bytes),
-            "training/data_dropped_prompts": float(self.data.num_dropped),
-            **{f"perf/{kind}_bytes": float(total - moved_before[kind]) for kind, total in self._bytes_moved().items()},
-            **_memory_metrics(),
-            **self._resident_metrics(resident),
-            **self._rollout_gap(ro, b.tensors["old_logprobs"], mask),
-            **timing,
-        })
-        if self.critic is not None:
-            metrics["critic/values/mean"] = self.global_batch.masked_mean(b.tensors["old_values"], mask)
-            metrics["critic/vf_explained_var"] = self.global_batch.explained_variance(b.tensors["returns"], b.tensors["old_values"], mask)
-        step_time = sum(v for k, v in timing.items())
-        metrics["timing_s/step"] = step_time
-        metrics["perf/throughput"] = tokens / max(step_time, 1e-9) / self.dims.world_size
-        events = verdict.events + after.events
-        for name, _ in events:  # each guard firing is a metric as well as an event
-            metrics[name] = metrics.get(name, 0.0) + 1.0
+        explained_var = (self.global_batch.explained_variance(batch.tensors["returns"], batch.tensors["old_values"], mask)
+                         if self.critic is not None else None)
+        events = before.events + after.events
+        metrics = step_metrics(
+            batch_stats=batch_stats, update=update, reward_kl=reward_kl, kl_coef=self.kl_ctrl.value, actor_lr=self.actor.lr,
+            sync_bytes=sync.bytes_received, sync_peak_bytes=sync.peak_extra_bytes, dropped_prompts=self.data.num_dropped,
+            bytes_moved={kind: total - moved_before[kind] for kind, total in self._bytes_moved().items()},
+            memory=_memory_metrics(), resident=self._resident_metrics(resident), timing=timing,
+            world_size=self.dims.world_size, explained_var=explained_var, guard_events=events)
         return StepResult(metrics, events)
 
     def validate(self) -> dict[str, float]:
         """Greedy responses to the next prompts_per_step validation prompts, scored: val/score/mean."""
-        from dataclasses import replace
-
-        from megarl.hybrid.dispatch import generate_for_training
-        from megarl.rollout.base import RolloutRequest
-
         self.hybrid.sync(self.rollout, self._actor_shards())  # the weights after this step's update
         self._offload_all()
-        rows = self.val_data.next_step()
-        requests = [RolloutRequest(tuple(r.prompt_ids), prompt_index=r.global_index, step=self.step) for r in rows]
-        results = generate_for_training(self.rollout, requests, replace(self.sampling, n=1, temperature=0.0), self.dispatch)
+        samples = self._generate(self.val_data.next_step(), self._greedy)
         self.rollout.release_memory()
-        texts = [self.tokenizer.decode(r.response_token_ids, skip_special_tokens=True) for r in results]
-        scores = self.reward_fn([r.prompt for r in rows], texts, [r.ground_truth for r in rows],
-                                [r.data_source for r in rows], [r.extra for r in rows])
-        return {"val/score/mean": self.global_batch.mean(torch.tensor(scores, dtype=torch.float64))}
+        return {"val/score/mean": self.global_batch.mean(torch.tensor(self._score(samples), dtype=torch.float64))}
+
+    # --- generate and score: the training rollout, validation and the ReMax baseline --------------
+    def _generate(self, prompts: list[PromptRow], sampling: SamplingParams) -> list[Sample]:
+        """sampling.n responses to each of this DP rank's prompts, prompt-major. Generation is
+        seeded by (seed, step, prompt, sample), so it does not depend on the layout."""
+        requests = [RolloutRequest(tuple(p.prompt_ids), prompt_index=p.global_index, step=self.step) for p in prompts]
+        results = generate_for_training(self.rollout, requests, sampling, self.dispatch)
+        by_index = {p.global_index: p for p in prompts}
+        samples = []
+        for result in results:
+            response = list(result.response_token_ids)[: sampling.max_new_tokens]
+            scaled = result.scaled_logprobs is not None
+            samples.append(Sample(by_index[result.prompt_index], result.sample_index, response,
+                                  list(result.scaled_logprobs if scaled else result.logprobs), scaled,
+                                  self.tokenizer.decode(response, skip_special_tokens=True)))
+        return samples
+
+    def _score(self, samples: list[Sample]) -> list[float]:
+        """The reward function's score of each sample."""
+        prompts = [s.prompt for s in samples]
+        return self.reward_fn([p.prompt for p in prompts], [s.text for s in samples], [p.ground_truth for p in prompts],
+                              [p.data_source for p in prompts], [p.extra for p in prompts])
+
+    @property
+    def _greedy(self) -> SamplingParams:
+        """One temperature-0 response per prompt (validation, the ReMax baseline)."""
+        return replace(self.sampling, n=1, temperature=0.0)
 
     # --- phases ---------------------------------------------------------------------------------
     def _actor_shards(self):
@@ -307,146 +303,107 @@ class Trainer:
             shards.pop("output_layer.weight", None)
         return shards
 
-    def _generate(self) -> Rollout:
-        from megarl.hybrid.dispatch import generate_for_training
-        from megarl.rollout.base import RolloutRequest
-
-        rows = self.data.next_step()
-        requests = [RolloutRequest(tuple(r.prompt_ids), prompt_index=r.global_index, step=self.step) for r in rows]
-        results = generate_for_training(self.rollout, requests, self.sampling, self.dispatch)
-        by_index = {r.global_index: r for r in rows}
-        n, width = self.sampling.n, self.sampling.max_new_tokens
-        input_ids, prompt_lens, global_index, texts = [], [], [], []
-        mask = torch.zeros(len(results), width)
-        rollout_lp = torch.zeros(len(results), width)
-        for i, res in enumerate(results):
-            row = by_index[res.prompt_index]
-            resp = list(res.response_token_ids)[:width]
-            input_ids.append(list(row.prompt_ids) + resp)
-            prompt_lens.append(len(row.prompt_ids))
-            global_index.append(res.prompt_index * n + res.sample_index)
-            mask[i, : len(resp)] = 1.0
-            lp = res.scaled_logprobs if res.scaled_logprobs is not None else res.logprobs
-            rollout_lp[i, : len(resp)] = torch.tensor(lp[: len(resp)], dtype=torch.float32)
-            texts.append(self.tokenizer.decode(resp, skip_special_tokens=True))
-        sample_rows = [by_index[res.prompt_index] for res in results]
-        batch = SequenceBatch(input_ids, prompt_lens, global_index, width, {"response_mask": mask})
-        scaled = all(res.scaled_logprobs is not None for res in results)
-        return Rollout(batch, rollout_lp, scaled, [r.prompt for r in sample_rows], texts, [r.ground_truth for r in sample_rows],
-                       [r.data_source for r in sample_rows], [r.extra for r in sample_rows],
-                       torch.tensor([res.prompt_index for res in results]))
-
-    def _compute_advantages(self, ro: Rollout, scores: torch.Tensor, token_rewards: torch.Tensor) -> None:
+    def _compute_advantages(self, rollout: Rollout, scores: torch.Tensor, token_rewards: torch.Tensor) -> None:
         """Advantages and returns on the all-gathered global batch, then this rank's rows."""
-        alg, b = self.cfg.algorithm, ro.batch
-        mask = b.response_mask
-        g = self.global_batch.gather({"mask": mask, "rewards": token_rewards, "scores": scores, "groups": ro.group_ids.float(),
-                             **({"values": b.tensors["old_values"]} if self.critic is not None else {})})
+        alg, batch = self.cfg.algorithm, rollout.batch
+        mask = batch.response_mask
+        gathered = self.global_batch.gather({
+            "mask": mask, "rewards": token_rewards, "scores": scores, "groups": rollout.group_ids.float(),
+            **({"values": batch.tensors["old_values"]} if self.critic is not None else {})})
         if alg.adv_estimator == "gae":
-            adv, returns = A.compute_gae(g["rewards"], g["values"], g["mask"], alg.gamma, alg.lam)
-            adv = A.masked_whiten(adv, g["mask"])
+            advantages, returns = A.compute_gae(gathered["rewards"], gathered["values"], gathered["mask"], alg.gamma, alg.lam)
+            advantages = A.masked_whiten(advantages, gathered["mask"])
         elif alg.adv_estimator == "grpo":
-            adv = A.compute_grpo_advantages(g["scores"], g["groups"].long(), g["mask"], norm_by_std=alg.norm_adv_by_std_in_grpo)
-            returns = adv
+            advantages = A.compute_grpo_advantages(gathered["scores"], gathered["groups"].long(), gathered["mask"],
+                                                   norm_by_std=alg.norm_adv_by_std_in_grpo)
+            returns = advantages
         elif alg.adv_estimator == "rloo":
-            adv = A.compute_rloo_advantages(g["scores"], g["groups"].long(), g["mask"])
-            returns = adv
+            advantages = A.compute_rloo_advantages(gathered["scores"], gathered["groups"].long(), gathered["mask"])
+            returns = advantages
         elif alg.adv_estimator == "reinforce_plus_plus":
-            adv, returns = A.compute_reinforce_pp_advantages(g["rewards"], g["mask"], alg.gamma)
+            advantages, returns = A.compute_reinforce_pp_advantages(gathered["rewards"], gathered["mask"], alg.gamma)
         else:  # remax: baseline = score of a greedy response to the same prompt
-            baseline = self.global_batch.gather({"b": self._greedy_baseline(ro)})["b"]
-            adv = A.compute_remax_advantages(g["scores"], baseline, g["mask"])
-            returns = adv
-        lo = self.global_batch.offset(len(b))
-        b.tensors["advantages"] = adv[lo : lo + len(b)] * mask
-        b.tensors["returns"] = returns[lo : lo + len(b)] * mask
+            baseline = self.global_batch.gather({"baseline": self._greedy_baseline(rollout)})["baseline"]
+            advantages = A.compute_remax_advantages(gathered["scores"], baseline, gathered["mask"])
+            returns = advantages
+        first = self.global_batch.offset(len(batch))
+        batch.tensors["advantages"] = advantages[first : first + len(batch)] * mask
+        batch.tensors["returns"] = returns[first : first + len(batch)] * mask
 
-    def _greedy_baseline(self, ro: Rollout) -> torch.Tensor:
-        from dataclasses import replace
-
-        from megarl.hybrid.dispatch import generate_for_training
-        from megarl.rollout.base import RolloutRequest
-
+    def _greedy_baseline(self, rollout: Rollout) -> torch.Tensor:
+        """[m] ReMax's baseline: the score of one greedy response per prompt, repeated for its samples."""
         n = self.sampling.n
-        firsts = list(range(0, len(ro.batch), n))
-        requests = [RolloutRequest(tuple(ro.batch.input_ids[i][: ro.batch.prompt_lens[i]]), prompt_index=int(ro.group_ids[i]), step=self.step) for i in firsts]
+        prompts = [rollout.samples[i].prompt for i in range(0, len(rollout.samples), n)]
         self.rollout.resume_memory()
-        greedy = generate_for_training(self.rollout, requests, replace(self.sampling, n=1, temperature=0.0), self.dispatch)
+        greedy = self._generate(prompts, self._greedy)
         self.rollout.release_memory()
-        texts = [self.tokenizer.decode(r.response_token_ids, skip_special_tokens=True) for r in greedy]
-        base = self.reward_fn([ro.prompts[i] for i in firsts], texts, [ro.ground_truths[i] for i in firsts],
-                              [ro.data_sources[i] for i in firsts], [ro.extras[i] for i in firsts])
-        return torch.tensor(base, dtype=torch.float32).repeat_interleave(n)
+        return torch.tensor(self._score(greedy), dtype=torch.float32).repeat_interleave(n)
 
-    def _update_critic(self, b: SequenceBatch) -> dict[str, float]:
-        c = self.cfg.critic
+    def _update_critic(self, batch: SequenceBatch) -> dict[str, float]:
+        """Clipped value loss; critic.ppo_epochs x critic.ppo_mini_batches optimizer steps."""
+        critic_cfg = self.cfg.critic
 
         def loss_fn(out, mb, totals):
-            return A.value_loss(out["values"], mb["old_values"], mb["returns"], mb["response_mask"], c.vf_clip,
-                                agg=c.loss_agg_mode, **_agg_totals(totals, c.loss_agg_mode, b.response_len))
+            loss, metrics = A.value_loss(out["values"], mb["old_values"], mb["returns"], mb["response_mask"], critic_cfg.vf_clip,
+                                         agg=critic_cfg.loss_agg_mode,
+                                         **_agg_totals(totals, critic_cfg.loss_agg_mode, batch.response_len))
+            return loss, {**metrics, "critic/vf_loss": _local_loss_value(loss, totals, mb)}
 
-        def with_loss(out, mb, totals):
-            loss, m = loss_fn(out, mb, totals)
-            return loss, {**m, "critic/vf_loss": _local_loss_value(loss, totals, mb)}
-
-        stats = self.critic.train_step(b, with_loss, fields=("old_values", "returns"), epochs=c.ppo_epochs,
-                                       mini_batches=c.ppo_mini_batches, shuffle_seed=self._shuffle_seed(1),
+        # for epoch in ppo_epochs: for mini_batch in ppo_mini_batches: forward/backward its micro-batches, optimizer step
+        stats = self.critic.train_step(batch, loss_fn, fields=("old_values", "returns"), epochs=critic_cfg.ppo_epochs,
+                                       mini_batches=critic_cfg.ppo_mini_batches, shuffle_seed=self._shuffle_seed(1),
                                        skip_grad_norm_above=self.cfg.guards.grad_norm_threshold or None)
         self.critic.offload()
         return {**stats.metrics, "critic/grad_norm": _mean(stats.grad_norms), "critic/lr": self.critic.lr,
                 "critic/skipped_steps": float(stats.skipped_steps)}
 
-    def _update_actor(self, b: SequenceBatch) -> dict[str, float]:
-        a = self.cfg.actor
-        low = a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio
-        high = a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio
-        fields = ("old_logprobs", "advantages") + (("ref_logprobs",) if a.use_kl_loss else ())
-        want = ("logprobs", "entropy") if a.entropy_coeff > 0 else ("logprobs",)
+    def _update_actor(self, batch: SequenceBatch) -> dict[str, float]:
+        """Clipped surrogate (or GSPO), dual clip, entropy bonus, KL loss; actor.ppo_epochs x
+        actor.ppo_mini_batches optimizer steps."""
+        actor_cfg = self.cfg.actor
+        agg_mode = actor_cfg.loss_agg_mode
+        clip_low = actor_cfg.clip_ratio_low if actor_cfg.clip_ratio_low is not None else actor_cfg.clip_ratio
+        clip_high = actor_cfg.clip_ratio_high if actor_cfg.clip_ratio_high is not None else actor_cfg.clip_ratio
+        fields = ("old_logprobs", "advantages") + (("ref_logprobs",) if actor_cfg.use_kl_loss else ())
+        want = ("logprobs", "entropy") if actor_cfg.entropy_coeff > 0 else ("logprobs",)
 
         def loss_fn(out, mb, totals):
             mask = mb["response_mask"]
-            agg = _agg_totals(totals, a.loss_agg_mode, b.response_len)
-            if a.policy_loss == "gspo":
-                pg_loss, m = A.gspo_policy_loss(out["logprobs"], mb["old_logprobs"], mb["advantages"], mask, agg=a.loss_agg_mode, **agg)
+            agg = _agg_totals(totals, agg_mode, batch.response_len)
+            if actor_cfg.policy_loss == "gspo":
+                pg_loss, metrics = A.gspo_policy_loss(out["logprobs"], mb["old_logprobs"], mb["advantages"], mask, agg=agg_mode, **agg)
             else:
-                pg_loss, m = A.policy_loss(out["logprobs"], mb["old_logprobs"], mb["advantages"], mask, clip_ratio_low=low,
-                                           clip_ratio_high=high, clip_ratio_c=a.clip_ratio_c, agg=a.loss_agg_mode, **agg)
+                pg_loss, metrics = A.policy_loss(out["logprobs"], mb["old_logprobs"], mb["advantages"], mask,
+                                                 clip_ratio_low=clip_low, clip_ratio_high=clip_high,
+                                                 clip_ratio_c=actor_cfg.clip_ratio_c, agg=agg_mode, **agg)
             loss = pg_loss
-            m = {**m, "actor/pg_loss": _local_loss_value(pg_loss, totals, mb)}
-            if a.entropy_coeff > 0:
-                ent = A.agg_loss(out["entropy"], mask, a.loss_agg_mode, **agg)
-                loss = loss - a.entropy_coeff * ent
-            if a.use_kl_loss:
-                kl = A.agg_loss(A.kl_penalty(out["logprobs"], mb["ref_logprobs"], a.kl_loss_type), mask, a.loss_agg_mode, **agg)
-                loss = loss + a.kl_loss_coef * kl
-                m["actor/kl_loss"] = _local_loss_value(kl, totals, mb)
-            return loss, m
+            metrics = {**metrics, "actor/pg_loss": _local_loss_value(pg_loss, totals, mb)}
+            if actor_cfg.entropy_coeff > 0:
+                entropy = A.agg_loss(out["entropy"], mask, agg_mode, **agg)
+                loss = loss - actor_cfg.entropy_coeff * entropy
+            if actor_cfg.use_kl_loss:
+                kl = A.agg_loss(A.kl_penalty(out["logprobs"], mb["ref_logprobs"], actor_cfg.kl_loss_type), mask, agg_mode, **agg)
+                loss = loss + actor_cfg.kl_loss_coef * kl
+                metrics["actor/kl_loss"] = _local_loss_value(kl, totals, mb)
+            return loss, metrics
 
-        stats = self.actor.train_step(b, loss_fn, fields=fields, epochs=a.ppo_epochs, mini_batches=a.ppo_mini_batches,
-                                      shuffle_seed=self._shuffle_seed(0), want=want, temperature=self.sampling.temperature,
+        # for epoch in ppo_epochs: for mini_batch in ppo_mini_batches: forward/backward its micro-batches, optimizer step
+        stats = self.actor.train_step(batch, loss_fn, fields=fields, epochs=actor_cfg.ppo_epochs,
+                                      mini_batches=actor_cfg.ppo_mini_batches, shuffle_seed=self._shuffle_seed(0), want=want,
+                                      temperature=self.sampling.temperature,
                                       skip_grad_norm_above=self.cfg.guards.grad_norm_threshold or None)
         self.actor.offload()
         return {**stats.metrics, "actor/grad_norm": _mean(stats.grad_norms), "actor/skipped_steps": float(stats.skipped_steps)}
 
     # --- checks, guards, offload -----------------------------------------------------------------
-    def _verify_sync(self, ro: Rollout, actor_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
+    def _verify_sync(self, rollout: Rollout, actor_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
         """rollout.verify_weights: the engine's log-probs of its own samples (the probe batch) must
         equal the actor's, or the weight sync went wrong; raises WeightSyncMismatch."""
         truncated = self.cfg.rollout.top_k > 0 or self.cfg.rollout.top_p < 1.0
-        if not self.cfg.rollout.verify_weights or (truncated and not ro.logprobs_are_scaled):
+        if not self.cfg.rollout.verify_weights or (truncated and not rollout.logprobs_are_scaled):
             return  # processed log-probs of a truncated distribution are not what the actor computes
-        from megarl.hybrid.verify import compare_logprobs
-
         atol = 1e-3 if self.cfg.model.dtype == "float32" else 0.1
-        compare_logprobs(ro.rollout_logprobs, actor_logprobs, mask, atol=atol)
-
-    def _rollout_gap(self, ro: Rollout, actor_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-        # verl's definition (|p_rollout - p_actor| per token), reduced over the global batch.
-        from megarl.hybrid.verify import token_prob_diff
-
-        diff = token_prob_diff(ro.rollout_logprobs, actor_logprobs, mask)
-        return {"training/rollout_probs_diff_mean": self.global_batch.masked_mean(diff, mask),
-                "training/rollout_probs_diff_max": self.global_batch.max(diff.reshape(-1))}
+        compare_logprobs(rollout.rollout_logprobs, actor_logprobs, mask, atol=atol)
 
     def _apply_guard_actions(self, verdict) -> None:
         # Roll back first: loading a checkpoint also restores the optimizers' learning rates, so
@@ -512,8 +469,6 @@ def _local_loss_value(loss: torch.Tensor, totals: dict, mb: dict) -> float:
 
 
 def _memory_metrics() -> dict[str, float]:
-    import psutil
-
     out = {"perf/cpu_rss_gb": psutil.Process().memory_info().rss / 2**30}
     if torch.cuda.is_available():
         out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30

@@ -1,0 +1,60 @@
+"""The step's sample records: one `Sample` per generated response, and the `Rollout` the trainer
+builds from this DP rank's samples (token batch + the engine's log-probs).
+
+Training rollout, validation and the ReMax greedy baseline all generate and score through the
+same two trainer methods (`Trainer._generate`, `Trainer._score`), which produce and consume these.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megarl.data.dataset import PromptRow
+from megarl.engine.batch import SequenceBatch
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One response to one prompt."""
+
+    prompt: PromptRow  # the dataset row: text, token ids, ground truth, data source, extras, global index
+    sample_index: int  # 0 .. samples_per_prompt - 1
+    response_ids: list[int]  # truncated to max_new_tokens
+    logprobs: list[float]  # per response token, from the engine: temperature-scaled where it reports them
+    logprobs_are_scaled: bool  # False: the engine reported top-k/top-p-processed log-probs only
+    text: str  # the decoded response, what the reward reads
+
+    @property
+    def prompt_index(self) -> int:
+        """The prompt's index in the step's global batch (the group of GRPO/RLOO)."""
+        return self.prompt.global_index
+
+
+@dataclass
+class Rollout:
+    """This DP rank's samples of one step as the engines consume them."""
+
+    samples: list[Sample]
+    batch: SequenceBatch  # [m sequences]; per-token fields [m, R] are added phase by phase
+    rollout_logprobs: torch.Tensor  # [m, R] the engine's log-probs of its own samples
+    logprobs_are_scaled: bool  # every sample's log-probs are temperature-scaled (comparable to the actor's)
+    group_ids: torch.Tensor  # [m] global prompt index
+
+
+def to_rollout(samples: list[Sample], samples_per_prompt: int, response_len: int) -> Rollout:
+    """Samples -> right-padded [m, response_len] response mask and log-probs, and the token batch.
+    A sample's position in the global batch is prompt_index * samples_per_prompt + sample_index,
+    which fixes the update's shuffling independently of the layout."""
+    mask = torch.zeros(len(samples), response_len)
+    rollout_logprobs = torch.zeros(len(samples), response_len)
+    for i, sample in enumerate(samples):
+        length = len(sample.response_ids)
+        mask[i, :length] = 1.0
+        rollout_logprobs[i, :length] = torch.tensor(sample.logprobs[:length], dtype=torch.float32)
+    batch = SequenceBatch([list(s.prompt.prompt_ids) + s.response_ids for s in samples],
+                          [len(s.prompt.prompt_ids) for s in samples],
+                          [s.prompt_index * samples_per_prompt + s.sample_index for s in samples],
+                          response_len, {"response_mask": mask})
+    return Rollout(samples, batch, rollout_logprobs, all(s.logprobs_are_scaled for s in samples),
+                   torch.tensor([s.prompt_index for s in samples]))
