@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test
+.PHONY: setup demo test test-fast
 setup: $(VENV)/.installed
 
 # torch is pinned to the CPU build that lies on local disk; an unpinned torch pulls a CUDA build.
@@ -18,3 +18,8 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest tests
+
+# The edit loop: pure math, config, data, single-process parity (no slow, multiprocess, gpu or
+# vllm tests); under 5 minutes on 2 cores. `make test` still runs everything.
+test-fast: setup
+	$(BIN)/python -m pytest tests -m "not slow and not multiprocess and not gpu and not vllm"

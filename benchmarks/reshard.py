@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from megarl.hybrid.engine import HybridEngine
 from megarl.hybrid.layout import RolloutLayout, TrainLayout, hybridflow_bytes_per_rank
-from megarl.hybrid.naive import NaiveAllGather
-from megarl.hybrid.synthetic import SyntheticModel, synthetic_shards
+from naive_allgather import NaiveAllGather  # benchmarks/naive_allgather.py
+from synthetic_model import SyntheticModel, synthetic_shards  # benchmarks/synthetic_model.py
 
 
 def parse_args(argv=None):

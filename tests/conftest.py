@@ -1,7 +1,19 @@
-"""Shared fixtures: tiny models of every family (built locally, never downloaded) and a torchrun helper."""
+"""Shared fixtures: tiny models of every family (built locally, never downloaded), the one way to
+run a multi-process test, and the tiers.
+
+Multi-process tests (marker `multiprocess`) start their ranks with one of two helpers here:
+    torchrun(nproc, ["tests/x/worker.py", ...])   a worker script under torchrun, as users launch
+    spawn(fn, nproc, *args)                        fn(rank, port, *args) in forked processes
+and any single-process gloo world takes its port from free_port().
+
+Tiers (pytest.ini): `make test-fast` deselects slow, multiprocess, gpu and vllm; `gpu` tests skip,
+visibly, without CUDA and `vllm` tests without the vllm package.
+"""
 from __future__ import annotations
 
+import importlib.util
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -9,18 +21,54 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# Test support that is not part of the package (the synthetic sharded model, the naive all-gather
+# baseline) lives beside the benchmarks that use it.
+sys.path.insert(0, str(REPO / "benchmarks"))
 FAMILIES = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 
 # Keep every test process single-threaded: the suite runs many ranks on two cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def torchrun(nproc: int, args: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `torchrun --standalone --nproc_per_node nproc <args>`; fail the test with its output on error."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+def pytest_collection_modifyitems(config, items):
+    """Skip, visibly, the tiers this machine cannot run."""
+    import torch
+
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    no_vllm = pytest.mark.skip(reason="needs vllm (make test-vllm sets up its environment)")
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+        if "vllm" in item.keywords and not has_vllm:
+            item.add_marker(no_vllm)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn, nproc: int, *args) -> None:
+    """Run fn(rank, port, *args) in nproc forked processes (a rendezvous port is chosen here);
+    raises if any rank fails."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(fn, args=(free_port(), *args), nprocs=nproc, start_method="fork")
+
+
+def torchrun(nproc: int, args: list[str], timeout: int = 600, env: dict | None = None,
+             check: bool = True) -> subprocess.CompletedProcess:
+    """Run `torchrun --standalone --nproc_per_node nproc <args>` from the repository root (nproc 0:
+    plain `python <args>`, one process without torchrun); with check, fail the test with the
+    output's tail on a non-zero exit."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+    cmd = [sys.executable, *launcher, *args]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
-    if proc.returncode != 0:
+    if check and proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-6000:]
         pytest.fail(f"torchrun {' '.join(args)} exited {proc.returncode}:\n{tail}")
     return proc

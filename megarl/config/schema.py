@@ -227,7 +227,8 @@ class AlgorithmConfig:
 class GuardsConfig:
     kl_threshold: float = knob(0.0, "mean token KL(actor || ref) of a rollout above which kl_action fires; 0 = off", ge=0)
     kl_action: Literal["raise_coef", "skip_update"] = knob(
-        "raise_coef", "double the KL coefficient (up to max_coef), or skip the actor update of that step")
+        "raise_coef", "raise_coef: double the in-reward KL coefficient (algorithm.kl_ctrl, up to max_coef; acts with "
+                      "use_kl_in_reward) from the next step; skip_update: skip the actor update of that step")
     grad_norm_threshold: float = knob(0.0, "skip an optimizer step whose grad norm (before clipping) exceeds this; 0 = off", ge=0)
     nan_skip_and_restore: bool = knob(True, "skip a step with non-finite loss/grad norm; restore the last checkpoint after nan_patience in a row")
     nan_patience: int = knob(3, "consecutive non-finite steps before restoring", ge=1)

@@ -1,13 +1,12 @@
 """Log-probs, entropy and full KL from vocab-parallel logits: single process against log_softmax, and
 2 gloo processes each holding half the vocabulary against the single-process values and gradients."""
 import math
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from conftest import spawn
 from megarl.algorithms import full_kl_penalty
 from megarl.models.vocab_parallel import vocab_parallel_entropy, vocab_parallel_full_kl, vocab_parallel_logprobs
 
@@ -81,13 +80,7 @@ def test_hand_worked_uniform_and_bf16():
     assert kl.item() == pytest.approx(0.0, abs=1e-7)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tp_worker(rank, world_size, port):
+def _tp_worker(rank, port, world_size):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         padded_vocab = 12
@@ -113,5 +106,6 @@ def _tp_worker(rank, world_size, port):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_tensor_parallel_two_processes_match_single_process():
-    mp.spawn(_tp_worker, args=(2, _free_port()), nprocs=2, join=True)
+    spawn(_tp_worker, 2, 2)

@@ -6,7 +6,7 @@ import torch
 
 from conftest import torchrun
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 LAYOUTS = {  # name: (processes, tp, pp)
     "tp2": (2, 2, 1),
     "pp2": (2, 1, 2),

@@ -244,6 +244,7 @@ def _hf_logprobs(model_dir, sequences: list[list[int]]) -> list[torch.Tensor]:
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_logprobs_cli_tp2_matches_transformers(llama3_rope_model, tmp_path):
     gen = torch.Generator().manual_seed(0)
     sequences = [torch.randint(0, 301, (n,), generator=gen).tolist() for n in (5, 33, 2, 12, 20)]

@@ -72,6 +72,7 @@ def test_groups_need_initialize():
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_process_groups_four_processes(tmp_path):
     """tp2 x pp2, tp2 x dp2 and ep2 x dp4 on 4 gloo processes: Megatron's rank order tp-cp-ep-dp-pp."""
     out = tmp_path / "groups.json"

@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from megarl.hybrid.engine import HybridEngine
 from megarl.hybrid.layout import RolloutLayout, TrainLayout, hybridflow_bytes_per_rank
-from megarl.hybrid.naive import NaiveAllGather
-from megarl.hybrid.synthetic import SyntheticModel, synthetic_shards
+from naive_allgather import NaiveAllGather  # benchmarks/naive_allgather.py
+from synthetic_model import SyntheticModel, synthetic_shards  # benchmarks/synthetic_model.py
 from megarl.models.sharding import ShardMeta
 
 DENSE = SyntheticModel(num_layers=4, hidden=64, ffn_hidden=128, vocab=256)

@@ -10,7 +10,7 @@ import torch
 
 from conftest import torchrun
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 
 def _transformers_greedy(export_dir: str, prompts, max_new_tokens: int = 8) -> list[list[int]]:

@@ -6,7 +6,7 @@ import pytest
 from megarl.hybrid.engine import shard_metadata
 from megarl.hybrid.layout import RolloutLayout, TrainLayout, assign_rollout, hybridflow_bytes_per_rank
 from megarl.hybrid.plan import build_specs, make_plan
-from megarl.hybrid.synthetic import SyntheticModel, synthetic_shards
+from synthetic_model import SyntheticModel, synthetic_shards  # benchmarks/synthetic_model.py
 
 MODEL = SyntheticModel(num_layers=4, hidden=64, ffn_hidden=128, vocab=256)
 

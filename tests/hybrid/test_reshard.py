@@ -5,19 +5,17 @@ bucket plus the largest tensor."""
 from __future__ import annotations
 
 import json
-import socket
 
-import torch.multiprocessing as mp
+import pytest
 
+from conftest import spawn
 from reshard_worker import CASES, run
+
+pytestmark = pytest.mark.multiprocess
 
 
 def test_reshard_on_four_processes(tmp_path):
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    mp.start_processes(run, args=(port, str(tmp_path)), nprocs=4, start_method="fork")
+    spawn(run, 4, str(tmp_path))
     reports = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(4)]
     for label, *_ in CASES:
         rows = [rep[label] for rep in reports]

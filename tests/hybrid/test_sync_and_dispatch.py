@@ -3,24 +3,22 @@ seeded samples are identical whether 1 rank generates everything or 2 rollout DP
 from __future__ import annotations
 
 import json
-import socket
 
+import pytest
 import torch
-import torch.multiprocessing as mp
 
+from conftest import spawn
 from megarl.rollout.hf import HFRolloutEngine
 from sync_worker import SAMPLING, requests, run
+
+pytestmark = pytest.mark.multiprocess
 
 
 def test_sync_verify_and_dispatch_on_two_processes(tiny_models, tmp_path):
     from transformers import AutoModelForCausalLM
 
     model_dir = str(tiny_models["llama"])
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    mp.start_processes(run, args=(port, model_dir, str(tmp_path)), nprocs=2, start_method="fork")
+    spawn(run, 2, model_dir, str(tmp_path))
     r0, r1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1))
 
     # reference: one process, the source model, every prompt in one batch

@@ -34,12 +34,14 @@ def test_parity_one_process(tiny_models, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_parity_two_processes(tiny_models, tmp_path):
     # tp2 and pp2 for all five families; ep2 for the two MoE families.
     _check(_run(tiny_models, tmp_path, 2, ["2,1,1", "1,2,1", "1,1,2"]), 2 * len(FAMILIES) + 2)
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_parity_four_processes(tiny_models, tmp_path):
     # tp2 x pp2 for all families; tp2 x ep2 for the MoE families.
     _check(_run(tiny_models, tmp_path, 4, ["2,2,1", "2,1,2"]), len(FAMILIES) + 2)

@@ -1,12 +1,12 @@
 """The SGLang adapter against a recording stand-in for sglang 0.5.23 (no CUDA needed)."""
 from __future__ import annotations
 
-import socket
 import sys
 
 import pytest
 import torch
 
+from conftest import spawn
 from fake_engines import fake_tokens, make_fake_sglang, sglang_two_rank_worker
 from megarl.rollout.base import MissingEngineError, RolloutRequest, SamplingParams, make_sample_seed
 
@@ -95,16 +95,11 @@ def test_nondeterministic_mode_warns_that_seeds_are_ignored(fake_sglang):
         SGLangRolloutEngine(SGLangConfig("/m", deterministic=False), group=None, group_ranks=[0])
 
 
+@pytest.mark.multiprocess
 def test_two_rank_group_gathers_weights_to_owner_and_broadcasts_results(tmp_path):
     import json
 
-    import torch.multiprocessing as mp
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    mp.start_processes(sglang_two_rank_worker, args=(port, str(tmp_path)), nprocs=2, start_method="fork")
+    spawn(sglang_two_rank_worker, 2, str(tmp_path))
     r0, r1 = (json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1))
     assert r0["ids"] == r1["ids"] and len(r0["ids"]) == 2
     assert r0["w"] == [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]  # values[r] came from group rank r

@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from conftest import REPO, torchrun
 
 
 def small_run_overrides(root: Path, run_dir: Path, **extra) -> list[str]:
@@ -37,13 +35,7 @@ def small_run_overrides(root: Path, run_dir: Path, **extra) -> list[str]:
 
 def launch(nproc: int, overrides: list[str], config: str = "configs/tiny_cpu.yaml", timeout: int = 900) -> subprocess.CompletedProcess:
     """Run the trainer; nproc 0 means plain `python launch/ppo.py` (one process, no torchrun)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    if nproc == 0:
-        cmd = [sys.executable, "launch/ppo.py", "--config", config, *overrides]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "launch/ppo.py", "--config", config, *overrides]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    return torchrun(nproc, ["launch/ppo.py", "--config", config, *overrides], timeout=timeout, check=False)
 
 
 def launch_ok(nproc: int, overrides: list[str], **kw) -> subprocess.CompletedProcess:

@@ -1,18 +1,16 @@
 """Misconfigurations exit with code 2 and a one-line message naming the problem, no traceback."""
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 
 import pytest
 
-from ppo_helpers import REPO
+from conftest import torchrun
 
 
 def run_launch(args: list[str], world_size: int = 1) -> subprocess.CompletedProcess:
-    env = dict(os.environ, WORLD_SIZE=str(world_size), PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, "launch/ppo.py", *args], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    """One plain process that believes it is one of world_size (the checks run before any rendezvous)."""
+    return torchrun(0, ["launch/ppo.py", *args], timeout=120, env={"WORLD_SIZE": str(world_size)}, check=False)
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import pytest
 
 from ppo_helpers import REPO, launch_ok, read_metrics, small_run_overrides
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # torchrun, 2 ranks (one single-process run)
 
 COMPARED = ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "actor/ppo_kl", "actor/grad_norm",
             "critic/grad_norm", "actor/reward_kl_penalty", "critic/returns/mean", "actor/entropy")

@@ -1,12 +1,16 @@
-"""benchmarks/reshard.py runs under torchrun (tiny sizes) and writes the JSON the issue specifies."""
+"""Smoke test: benchmarks/reshard.py runs under torchrun (tiny sizes) and writes the JSON the issue specifies."""
 from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import torchrun
 
+pytestmark = pytest.mark.multiprocess
 
-def test_reshard_benchmark_writes_json(tmp_path):
+
+def test_reshard_benchmark_smoke_writes_json(tmp_path):
     out = tmp_path / "result.json"
     # 2 processes keep process start-up cheap; the 4-process configurations are in docs/rollout.md
     torchrun(2, ["benchmarks/reshard.py", "--train-tp", "2", "--rollout-tp", "1", "--num-layers", "2", "--hidden", "64",
