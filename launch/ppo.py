@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 # Run from a checkout without installing: make `megarl` importable.
@@ -32,8 +33,6 @@ def prepare(cfg, rank: int) -> None:
     from megarl.data.prepare import prepare_if_missing
 
     if cfg.model.make_tiny.enable and not os.path.isdir(cfg.model.path):
-        from dataclasses import asdict
-
         from megarl.tools.make_tiny_model import make_tiny_model
 
         options = asdict(cfg.model.make_tiny)
@@ -46,6 +45,8 @@ def prepare(cfg, rank: int) -> None:
 
 
 def main(argv=None) -> int:
+    # megarl is imported in stages on purpose: the warnings filter before Megatron loads, and the
+    # config checked (exit 2 in about a second) before torch.distributed, Megatron and the trainer.
     args = parse_args(argv)
     from megarl.platform import quiet_known_warnings
 
@@ -67,8 +68,9 @@ def main(argv=None) -> int:
     from megarl.tracking import Tracker
     from megarl.trainer import Trainer
 
-    p = cfg.parallel
-    dims = ParallelDims(world_size=world_size, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, vpp=p.vpp)
+    layout = cfg.parallel
+    dims = ParallelDims(world_size=world_size, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, etp=layout.etp,
+                        vpp=layout.vpp)
     dims.initialize(seed=cfg.trainer.seed)
     rank = dims.rank
     prepare(cfg, rank)

@@ -14,8 +14,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import yaml
 
 from megarl.checkpoint_io import atomic_dir, cleanup_old_checkpoints, latest_complete_checkpoint, remove_leftovers, step_dir
+from megarl.engine.engine import EngineConfig, MegatronEngine
+from megarl.models.weights import save_hf_checkpoint
+from megarl.parallel import dims_from_env
 
 
 def checkpoints_root(run_dir: str | Path) -> Path:
@@ -85,12 +89,6 @@ def export_hf_main(argv=None) -> int:
     p.add_argument("--model", help="the HF directory the run started from (default: model.path of the run's config)")
     args = p.parse_args(argv)
 
-    import yaml
-
-    from megarl.engine.engine import EngineConfig, MegatronEngine
-    from megarl.models.weights import save_hf_checkpoint
-    from megarl.parallel import dims_from_env
-
     ckpt = Path(args.ckpt)
     if not (ckpt / "trainer.pt").is_file() or not (ckpt / args.role).is_dir():
         print(f"error: {ckpt} is not a complete megarl checkpoint with a {args.role}/ directory", file=sys.stderr)
@@ -104,7 +102,7 @@ def export_hf_main(argv=None) -> int:
         model_dir = yaml.safe_load(resolved.read_text())["model"]["path"]
     dims = dims_from_env().initialize()
     critic = args.role == "critic"
-    engine = MegatronEngine(model_dir, dims, EngineConfig(), critic=critic, trainable=False)
+    engine = MegatronEngine(model_dir, dims, EngineConfig(), value_head=critic, trainable=False)
     engine.load(str(ckpt / args.role))
     save_hf_checkpoint(engine.module, engine.spec, dims, args.out, model_dir, critic=critic)
     if dims.rank == 0:

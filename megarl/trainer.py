@@ -1,12 +1,17 @@
-"""The PPO loop: one `ppo_step` reads top to bottom like the algorithm box of a paper.
+"""The PPO trainer: `Trainer.train` owns the loop and `Trainer.ppo_step` reads top to bottom like
+the algorithm box of a paper.
 
-    for step in 1..total_steps:
-        sync     actor weights -> rollout engine (3D-HybridEngine, bucketed)
-        rollout  n samples per prompt, seeded by (seed, step, prompt, sample)
-        score    old log-probs, reference log-probs, values, rewards, KL in the reward
-        advantage  GAE / GRPO / RLOO / REINFORCE++ / ReMax over the *global* batch
-        update   critic (clipped value loss), then actor (clipped surrogate, dual-clip, KL, entropy)
-        control  KL controller, guards, metrics, checkpoint
+    train: for step in step+1 .. total_steps:
+        ppo_step:
+            1 sync        actor weights -> rollout engine (3D-HybridEngine, bucketed)
+            2 generate    n samples per prompt, seeded by (seed, step, prompt, sample) -> Sample records
+            3 score       old log-probs (+ entropy), reference log-probs, values
+            4 rewards     reward function, KL in the reward
+            5 advantages  GAE / GRPO / RLOO / REINFORCE++ / ReMax over the *global* batch
+            6 update      critic (clipped value loss), then actor (clipped surrogate, dual-clip, KL,
+                          entropy), each ppo_epochs x ppo_mini_batches optimizer steps
+            7 control     KL controller, batch statistics in one reduction, guards, metrics
+        validate, log metrics and guard events, checkpoint (state_dict / load_state_dict)
 
 All ranks run this same program (SPMD). Each data-parallel rank owns prompts_per_step / dp prompts
 and their samples; quantities defined over the whole batch (advantage whitening, group baselines,
@@ -95,7 +100,7 @@ class Trainer:
         self.uses_critic = alg.adv_estimator == "gae"
         self.uses_ref = alg.use_kl_in_reward or cfg.actor.use_kl_loss
         self.actor = MegatronEngine(cfg.model.path, dims, engine_config(cfg, "actor", t.total_steps), seed=t.seed)
-        self.critic = (MegatronEngine(cfg.critic.model_path or cfg.model.path, dims, engine_config(cfg, "critic", t.total_steps), critic=True, seed=t.seed)
+        self.critic = (MegatronEngine(cfg.critic.model_path or cfg.model.path, dims, engine_config(cfg, "critic", t.total_steps), value_head=True, seed=t.seed)
                        if self.uses_critic else None)
         self.ref = (MegatronEngine(cfg.model.path, dims, engine_config(cfg, "ref", t.total_steps), trainable=False)
                     if self.uses_ref else None)
@@ -121,7 +126,7 @@ class Trainer:
         convert = lambda name, full: to_hf(mappings[name], full)  # noqa: E731
         self.hybrid = HybridEngine(self._actor_shards(), train=TrainLayout(tp=dims.tp, pp=dims.pp, dp=dims.dp, ep=dims.ep),
                                    rollout=RolloutLayout(tp=r.tp), bucket_bytes=r.bucket_bytes, convert=convert)
-        self.dispatch = DispatchGroups(mp_group=dims.mp_group, mp_rank=dist.get_rank(dims.mp_group), mp_size=dims.tp * dims.pp,
+        self.dispatch = DispatchGroups(mp_group=dims.mp_group, mp_rank=dist.get_rank(dims.mp_group), mp_size=dist.get_world_size(dims.mp_group),
                                        rollout_group=group, rollout_rank=group_rank, rollout_size=r.tp)
         stop = tuple(r.stop_token_ids) + ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self.sampling = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,

@@ -30,14 +30,19 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: the vllm marker is added here
 def pytest_collection_modifyitems(config, items):
     """Skip, visibly, the tiers this machine cannot run."""
     import torch
 
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     no_vllm = pytest.mark.skip(reason="needs vllm (make test-vllm sets up its environment)")
-    has_vllm = importlib.util.find_spec("vllm") is not None
+    # A namespace package is not vllm: tests/ is on sys.path, so the directory tests/vllm is found as "vllm".
+    spec = importlib.util.find_spec("vllm")
+    has_vllm = spec is not None and spec.origin not in (None, "namespace")
     for item in items:
+        if "tests/vllm/" in Path(str(item.fspath)).as_posix():
+            item.add_marker(pytest.mark.vllm)  # the real-vLLM tier is one directory: `-m vllm` selects it
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(no_gpu)
         if "vllm" in item.keywords and not has_vllm:

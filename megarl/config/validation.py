@@ -68,6 +68,7 @@ def _check_layout(cfg: Config, world_size: int) -> BatchSizes:
     p = cfg.parallel
     if world_size < 1:
         raise ConfigError(f"world size must be >= 1, got {world_size}")
+    # The same arithmetic as ParallelDims.model_parallel_size / .dp (config does not import torch).
     model_parallel = p.tp * p.pp * p.cp
     if world_size % model_parallel:
         raise ConfigError(f"world size {world_size} is not divisible by parallel.tp * parallel.pp * parallel.cp "

@@ -61,13 +61,15 @@ class TrainStats:
 
 
 class MegatronEngine:
-    """One model role on this rank: `critic=True` for a value model, `trainable=False` for the reference."""
+    """One model role on this rank: `value_head=True` for a value model (the critic, a reward model),
+    `trainable=False` for the reference."""
 
-    def __init__(self, model_dir: str, dims: ParallelDims, cfg: EngineConfig, *, critic: bool = False, trainable: bool = True, seed: int = 0):
+    def __init__(self, model_dir: str, dims: ParallelDims, cfg: EngineConfig, *, value_head: bool = False, trainable: bool = True,
+                 seed: int = 0):
         from megarl.models import load_model
 
-        self.dims, self.cfg, self.critic, self.trainable, self.seed = dims, cfg, critic, trainable, seed
-        self.model, self.spec = load_model(model_dir, dims, dtype=cfg.dtype, critic=critic, recompute=cfg.recompute)
+        self.dims, self.cfg, self.value_head, self.trainable, self.seed = dims, cfg, value_head, trainable, seed
+        self.model, self.spec = load_model(model_dir, dims, dtype=cfg.dtype, critic=value_head, recompute=cfg.recompute)
         self.model_dir = model_dir
         self.optimizer = self.scheduler = None
         self.optimizer_steps = 0
@@ -168,7 +170,7 @@ class MegatronEngine:
         ([b, s, ...]; `positions` index its flattened b*s positions)."""
         pos = mb["positions"].to(model_output.device)
         flat = model_output.reshape(-1, model_output.shape[-1])  # [b*s, vocab/tp] or [b*s, 1]
-        if self.critic:
+        if self.value_head:
             return {"values": flat[:, 0].float()[pos]}
         # Select the response positions before the vocab-parallel math: prompts cost nothing more.
         resp_logits = flat[pos]  # [rows, R, vocab/tp]
@@ -235,7 +237,8 @@ class MegatronEngine:
         stats = TrainStats()
         metric_sums: dict[str, float] = {}
         metric_weight = 0.0
-        dp_size = self.dims.world_size // (self.dims.tp * self.dims.pp)
+        # DDP averages gradients over the data-parallel x context-parallel ranks (Megatron's dp_cp group).
+        grad_avg_ranks = self.dims.dp * self.dims.cp
         for epoch in range(epochs):
             perm = torch.randperm(num_global, generator=torch.Generator().manual_seed(shuffle_seed * 1000 + epoch)).tolist()
             size = num_global // mini_batches
@@ -253,7 +256,7 @@ class MegatronEngine:
                     reduced.append({"weight": weight, **{m: v * weight for m, v in metrics.items()}})
                     # The schedule divides by the micro-batch count and DDP averages over DP; both
                     # are undone so that contributions are *summed* (see module docstring).
-                    return loss * (num_mb * dp_size), torch.tensor(1, dtype=torch.int), {}
+                    return loss * (num_mb * grad_avg_ranks), torch.tensor(1, dtype=torch.int), {}
 
                 def forward_step(data_iterator, model):
                     mb = next(data_iterator)
@@ -324,7 +327,7 @@ class MegatronEngine:
         from megarl.models.weights import export_hf
 
         self.onload()
-        return export_hf(self.module, self.spec, self.dims, critic=self.critic)
+        return export_hf(self.module, self.spec, self.dims, critic=self.value_head)
 
     def local_weight_shards(self):
         from megarl.models.weights import local_weight_shards

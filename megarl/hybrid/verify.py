@@ -1,18 +1,16 @@
 """Is the rollout engine running the weights the actor trains? Checks and per-step metrics.
 
-After a sync, `verify_sync` decodes a probe batch greedily with the engine and compares the
-engine's log-probs of its own tokens with the actor's (recomputed by the trainer): a wrong name
-mapping, a missed tensor or a mis-split fused layout shows up as a large gap on the first step
-instead of as a slowly diverging run. Every step, `rollout_probs_diff_metrics` reports the gap
-between rollout and actor token probabilities (verl's `training/rollout_probs_diff_*`).
+Every step the trainer compares the engine's log-probs of its own samples with the actor's
+recomputation of them (`compare_logprobs`): a wrong name mapping, a missed tensor or a mis-split
+fused layout shows up as a large gap on the first step instead of as a slowly diverging run.
+`token_prob_diff` is the per-token gap behind verl's `training/rollout_probs_diff_*` metrics
+(reduced over the global batch in megarl.step_metrics; `rollout_probs_diff_metrics` gives this
+rank's values). The probe-batch check used by tests is tests/hybrid/sync_probe.py.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
-
 import torch
 
-from megarl.rollout.base import RolloutEngine, RolloutRequest, SamplingParams, pad_results
 
 
 class WeightSyncMismatch(RuntimeError):
@@ -63,27 +61,3 @@ def rollout_probs_diff_metrics(rollout_logprobs: torch.Tensor, actor_logprobs: t
         "training/rollout_probs_diff_max": float(diff.max()),
         "training/rollout_probs_diff_std": float(diff.std(unbiased=False)),
     }
-
-
-ActorLogprobFn = Callable[[list[list[int]], list[list[int]]], list[torch.Tensor]]
-
-
-def verify_sync(engine: RolloutEngine, probe_prompts: Sequence[Sequence[int]], actor_logprobs: ActorLogprobFn, *,
-                max_new_tokens: int = 16, atol: float = 1e-2, stop_token_ids: Sequence[int] = ()) -> float:
-    """Greedy-decode `probe_prompts` with the engine; compare with `actor_logprobs(prompts, responses)`.
-
-    actor_logprobs returns, per sequence, the actor's log-softmax(logits) (temperature 1) of each
-    response token, shape [len(response)]. Greedy requests report unscaled log-probs in every
-    engine, so the two are comparable. Returns the max diff; raises WeightSyncMismatch.
-    atol: bf16 engines differ from an fp32 actor by ~1e-2 in log-prob; fp32 on CPU by ~1e-5.
-    """
-    requests = [RolloutRequest(tuple(p), i) for i, p in enumerate(probe_prompts)]
-    results = engine.generate(requests, SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_token_ids)))
-    batch = pad_results(results)
-    actor = actor_logprobs([list(p) for p in probe_prompts], [r.response_token_ids for r in results])
-    actor_padded = torch.zeros_like(batch.logprobs)
-    for i, lp in enumerate(actor):
-        if lp.numel() != len(results[i].response_token_ids):
-            raise ValueError(f"actor_logprobs returned {lp.numel()} values for a response of {len(results[i].response_token_ids)} tokens")
-        actor_padded[i, :lp.numel()] = lp.float().cpu()
-    return compare_logprobs(batch.logprobs, actor_padded, batch.mask, atol)

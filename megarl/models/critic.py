@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from megarl.models.weights import SafetensorsDir
+
 VALUE_HEAD_INIT_SEED = 0
 
 
@@ -26,6 +28,8 @@ class ValueHead(torch.nn.Module):
     Its parameters are named `weight` and `bias` like the LM head it replaces, because Megatron's
     checkpointing (`LanguageModule.sharded_state_dict`) looks up `output_layer.weight`.
     """
+
+    is_value_head = True  # megarl.models.weights leaves it out of the HF weights (exported as score.*)
 
     def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
@@ -37,8 +41,6 @@ class ValueHead(torch.nn.Module):
 
 
 def _checkpoint_head(model_dir: str | Path, hidden: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    from megarl.models.weights import SafetensorsDir
-
     try:
         source = SafetensorsDir(model_dir)
     except FileNotFoundError:

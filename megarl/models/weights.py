@@ -63,9 +63,8 @@ def global_name(local: str, layer_offset: int, expert_offset: int) -> str:
 
 
 def _is_value_head(model: torch.nn.Module, local: str) -> bool:
-    from megarl.models.critic import ValueHead
-
-    return local.startswith("output_layer.") and isinstance(getattr(model, "output_layer", None), ValueHead)
+    # Asked of the module rather than by isinstance: megarl.models.critic imports this module.
+    return local.startswith("output_layer.") and getattr(getattr(model, "output_layer", None), "is_value_head", False)
 
 
 def named_global_parameters(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDims) -> Iterator[tuple[str, str, torch.nn.Parameter]]:

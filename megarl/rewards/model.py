@@ -28,7 +28,7 @@ class RewardModel:
                              f"(a *ForSequenceClassification checkpoint with num_labels=1, or an exported megarl critic)")
         self.engine = MegatronEngine(model_dir, dims, EngineConfig(dtype=dtype, max_tokens_per_microbatch=max_tokens_per_microbatch,
                                                                  sequence_packing=sequence_packing),
-                                     critic=True, trainable=False)
+                                     value_head=True, trainable=False)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
     def __call__(self, prompts: Sequence[str], responses: Sequence[str], ground_truths: Sequence[str],

@@ -93,7 +93,7 @@ def main() -> None:
 def run_role(args, dims, critic: bool, mode: str) -> dict:
     cfg = EngineConfig(optim=OptimConfig(lr=args.lr, max_grad_norm=args.max_grad_norm, weight_decay=0.0),
                        max_tokens_per_microbatch=24, sequence_packing=args.packing == "on", param_offload=True, grad_offload=True, optimizer_offload=True)
-    engine = MegatronEngine(args.model, dims, cfg, critic=critic)
+    engine = MegatronEngine(args.model, dims, cfg, value_head=critic)
     result = {"grad_norms": []}
     if mode == "resume":
         engine.load(args.ckpt)

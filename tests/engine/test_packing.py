@@ -56,7 +56,7 @@ def test_packed_and_padded_critic_values_agree(tiny_models, world_of_one):
     batch = ragged_batch()
     values = [
         MegatronEngine(str(tiny_models["qwen2"]), world_of_one, EngineConfig(max_tokens_per_microbatch=24, sequence_packing=p),
-                       critic=True, trainable=False).forward_only(batch)["values"]
+                       value_head=True, trainable=False).forward_only(batch)["values"]
         for p in (True, False)
     ]
     assert values[0].abs().sum() > 0

@@ -13,10 +13,11 @@ import torch
 import torch.distributed as dist
 
 from megarl.hybrid import (DispatchGroups, HybridEngine, RolloutLayout, TrainLayout, WeightSyncMismatch, consecutive_rollout_group,
-                           generate_for_training, verify_sync)
+                           generate_for_training)
 from megarl.models.sharding import ShardMeta
 from megarl.rollout.base import RolloutRequest, SamplingParams
 from megarl.rollout.hf import HFRolloutEngine
+from sync_probe import verify_sync
 
 PROMPTS = [[5, 6, 7], [11, 12], [3, 4, 5, 6, 7, 8], [42], [9, 9, 9, 9], [17, 18]]
 SAMPLING = SamplingParams(n=2, temperature=1.0, top_p=0.9, max_new_tokens=6, seed=11)
