@@ -146,18 +146,18 @@ class Trainer:
     def train(self, tracker) -> None:
         """Steps step+1 .. trainer.total_steps: PPO step, validation, metrics and guard events to
         the tracker, checkpoints. Collective: every rank calls it."""
-        t = self.cfg.trainer
-        while self.step < t.total_steps:
+        run = self.cfg.trainer
+        while self.step < run.total_steps:
             self.step += 1
-            last = self.step == t.total_steps
+            last = self.step == run.total_steps
             metrics, events = self.ppo_step()
-            if self.val_data is not None and (self.step % t.val_every_steps == 0 or last):
+            if self.val_data is not None and (self.step % run.val_every_steps == 0 or last):
                 metrics.update(self.validate())
             tracker.log(metrics, step=self.step)
             for name, fields in events:
                 tracker.event(name, step=self.step, **fields)
-            if t.save_every_steps and (self.step % t.save_every_steps == 0 or last):
-                checkpoint.save(self, t.run_dir, self.step, keep_last=t.keep_last_checkpoints)
+            if run.save_every_steps and (self.step % run.save_every_steps == 0 or last):
+                checkpoint.save(self, run.run_dir, self.step, keep_last=run.keep_last_checkpoints)
 
     def resume(self) -> Path | None:
         """Load the checkpoint trainer.resume names (auto: the newest complete one, if any); returns it."""
@@ -440,10 +440,10 @@ class Trainer:
         """memory/resident_gb/<phase>: the engines' parameters, gradients and optimizer state in
         memory at the end of each phase, the maximum over ranks (one collective per step)."""
         phases = list(resident)
-        t = torch.tensor([resident[p] for p in phases], dtype=torch.float64)
+        resident_max = torch.tensor([resident[p] for p in phases], dtype=torch.float64)
         if self.dims.world_size > 1:
-            t = all_reduce_host(t, None, op=dist.ReduceOp.MAX)
-        return {f"memory/resident_gb/{p.removeprefix('timing_s/')}": float(v) / 2**30 for p, v in zip(phases, t)}
+            resident_max = all_reduce_host(resident_max, None, op=dist.ReduceOp.MAX)
+        return {f"memory/resident_gb/{p.removeprefix('timing_s/')}": float(v) / 2**30 for p, v in zip(phases, resident_max)}
 
     # --- seeds -----------------------------------------------------------------------------------
     def _shuffle_seed(self, role: int) -> int:
