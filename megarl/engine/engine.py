@@ -16,9 +16,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megarl.engine import micro_batches, offload
 from megarl.engine.batch import SequenceBatch
-from megarl.engine.forward import pipeline_forward
+from megarl.engine.checkpointing import load_engine, save_engine
+from megarl.engine.forward import model_forward, pipeline_forward
+from megarl.models import load_model
 from megarl.models.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
+from megarl.models.weights import export_hf, local_weight_shards, unwrap
 from megarl.parallel import ParallelDims, all_reduce_host, broadcast_host
 
 
@@ -66,8 +70,6 @@ class MegatronEngine:
 
     def __init__(self, model_dir: str, dims: ParallelDims, cfg: EngineConfig, *, value_head: bool = False, trainable: bool = True,
                  seed: int = 0):
-        from megarl.models import load_model
-
         self.dims, self.cfg, self.value_head, self.trainable, self.seed = dims, cfg, value_head, trainable, seed
         self.model, self.spec = load_model(model_dir, dims, dtype=cfg.dtype, critic=value_head, recompute=cfg.recompute)
         self.model_dir = model_dir
@@ -125,8 +127,6 @@ class MegatronEngine:
 
     @property
     def module(self) -> torch.nn.Module:
-        from megarl.models.weights import unwrap
-
         return unwrap(self.model)
 
     @property
@@ -147,8 +147,6 @@ class MegatronEngine:
 
     # --- micro-batching (megarl.engine.micro_batches) ------------------------------------------------
     def _micro_batches(self, batch: SequenceBatch, rows: list[int], fields: tuple[str, ...] = ()) -> list[dict]:
-        from megarl.engine import micro_batches
-
         lengths = [len(batch.input_ids[r]) for r in rows]
         budget = self.cfg.max_tokens_per_microbatch
         if self.cfg.sequence_packing:
@@ -260,8 +258,6 @@ class MegatronEngine:
 
                 def forward_step(data_iterator, model):
                     mb = next(data_iterator)
-                    from megarl.engine.forward import model_forward
-
                     return model_forward(model, mb), partial(loss_func, mb)
 
                 self.model.zero_grad_buffer()
@@ -324,22 +320,16 @@ class MegatronEngine:
 
     # --- weights out --------------------------------------------------------------------------------------
     def export_hf(self):
-        from megarl.models.weights import export_hf
-
         self.onload()
         return export_hf(self.module, self.spec, self.dims, critic=self.value_head)
 
     def local_weight_shards(self):
-        from megarl.models.weights import local_weight_shards
-
         self.onload()
         return local_weight_shards(self.module, self.spec, self.dims)
 
     # --- offload ----------------------------------------------------------------------------------------------
     def offload(self) -> dict[str, int]:
         """Move what the config says (params, grads, optimizer state) to host memory; returns bytes moved."""
-        from megarl.engine import offload
-
         moved = {}
         if self.cfg.param_offload and not self._offloaded.get("params"):
             moved["params"] = offload.offload_params(self)
@@ -354,8 +344,6 @@ class MegatronEngine:
         return moved
 
     def onload(self) -> dict[str, int]:
-        from megarl.engine import offload
-
         moved = {}
         if self._offloaded.pop("params", False):
             moved["params"] = offload.onload_params(self)
@@ -368,21 +356,15 @@ class MegatronEngine:
 
     def resident_bytes(self) -> dict[str, int]:
         """Parameters, gradients and optimizer state now in memory, in bytes (0 while offloaded)."""
-        from megarl.engine import offload
-
         return offload.resident_bytes(self)
 
     # --- checkpoint (megarl.engine.checkpointing) ------------------------------------------------------
     def save(self, path: str) -> float:
         """Distributed checkpoint of weights + optimizer (+ scheduler) into `path`; returns seconds."""
-        from megarl.engine.checkpointing import save_engine
-
         return save_engine(self, path)
 
     def load(self, path: str) -> None:
         """Load a checkpoint saved by `save` under any parallel layout."""
-        from megarl.engine.checkpointing import load_engine
-
         load_engine(self, path)
 
     def extra_state(self) -> dict:
