@@ -1,4 +1,4 @@
-"""The step's sample records: one `Sample` per generated response, and the `Rollout` the trainer
+"""The step's sample records: one `Sample` per generated response, and the `RolloutBatch` the trainer
 builds from this DP rank's samples (token batch + the engine's log-probs).
 
 Training rollout, validation and the ReMax greedy baseline all generate and score through the
@@ -32,7 +32,7 @@ class Sample:
 
 
 @dataclass
-class Rollout:
+class RolloutBatch:
     """This DP rank's samples of one step as the engines consume them."""
 
     samples: list[Sample]
@@ -42,7 +42,7 @@ class Rollout:
     group_ids: torch.Tensor  # [m] global prompt index
 
 
-def to_rollout(samples: list[Sample], samples_per_prompt: int, response_len: int) -> Rollout:
+def to_rollout_batch(samples: list[Sample], samples_per_prompt: int, response_len: int) -> RolloutBatch:
     """Samples -> right-padded [m, response_len] response mask and log-probs, and the token batch.
     A sample's position in the global batch is prompt_index * samples_per_prompt + sample_index,
     which fixes the update's shuffling independently of the layout."""
@@ -56,5 +56,5 @@ def to_rollout(samples: list[Sample], samples_per_prompt: int, response_len: int
                           [len(s.prompt.prompt_ids) for s in samples],
                           [s.prompt_index * samples_per_prompt + s.sample_index for s in samples],
                           response_len, {"response_mask": mask})
-    return Rollout(samples, batch, rollout_logprobs, all(s.logprobs_are_scaled for s in samples),
+    return RolloutBatch(samples, batch, rollout_logprobs, all(s.logprobs_are_scaled for s in samples),
                    torch.tensor([s.prompt_index for s in samples]))

@@ -49,7 +49,7 @@ from megarl.rewards import build_reward_fn
 from megarl.rewards.model import RewardModel
 from megarl.rollout import build_rollout_engine
 from megarl.rollout.base import RolloutRequest, SamplingParams
-from megarl.samples import Rollout, Sample, to_rollout
+from megarl.samples import RolloutBatch, Sample, to_rollout_batch
 from megarl.step_metrics import local_stats, step_metrics
 
 
@@ -199,14 +199,14 @@ class Trainer:
         with clock("timing_s/gen"):
             samples = self._generate(self.data.next_step(), self.sampling)
             self.rollout.release_memory()
-        rollout = to_rollout(samples, self.sampling.n, self.sampling.max_new_tokens)
-        batch, mask = rollout.batch, rollout.batch.response_mask
+        rollout_batch = to_rollout_batch(samples, self.sampling.n, self.sampling.max_new_tokens)
+        batch, mask = rollout_batch.batch, rollout_batch.batch.response_mask
 
         # 3. Score the samples with the models: old log-probs (+ entropy), reference log-probs, values.
         with clock("timing_s/old_log_prob"):
             out = self.actor.forward_only(batch, want=("logprobs", "entropy"), temperature=self.sampling.temperature)
             batch.tensors["old_logprobs"], entropy = out["logprobs"], out["entropy"]
-        self._verify_sync(rollout, batch.tensors["old_logprobs"], mask)
+        self._verify_sync(rollout_batch, batch.tensors["old_logprobs"], mask)
         if self.ref is not None:
             with clock("timing_s/ref"):
                 batch.tensors["ref_logprobs"] = self.ref.forward_only(batch, temperature=self.sampling.temperature)["logprobs"]
@@ -229,7 +229,7 @@ class Trainer:
 
         # 5. Advantages and returns over the global batch.
         with clock("timing_s/adv"):
-            self._compute_advantages(rollout, scores, token_rewards)
+            self._compute_advantages(rollout_batch, scores, token_rewards)
 
         # 6. Update: critic, then actor; each runs ppo_epochs x ppo_mini_batches optimizer steps.
         before = self.guards.before_update(reward_kl)
@@ -250,7 +250,7 @@ class Trainer:
             scores=scores, token_rewards=token_rewards, mask=mask, advantages=batch.tensors["advantages"],
             returns=batch.tensors["returns"], entropy=entropy, prompt_tokens=sum(batch.prompt_lens),
             max_new_tokens=self.sampling.max_new_tokens, old_values=batch.tensors.get("old_values"),
-            rollout_prob_diff=token_prob_diff(rollout.rollout_logprobs, batch.tensors["old_logprobs"], mask)))
+            rollout_prob_diff=token_prob_diff(rollout_batch.rollout_logprobs, batch.tensors["old_logprobs"], mask)))
         after = self.guards.after_update(batch_stats["critic/score/mean"], all(math.isfinite(v) for v in update.values()))
         self._apply_guard_actions(after)
         explained_var = (self.global_batch.explained_variance(batch.tensors["returns"], batch.tensors["old_values"], mask)
@@ -308,12 +308,12 @@ class Trainer:
             shards.pop("output_layer.weight", None)
         return shards
 
-    def _compute_advantages(self, rollout: Rollout, scores: torch.Tensor, token_rewards: torch.Tensor) -> None:
+    def _compute_advantages(self, rollout_batch: RolloutBatch, scores: torch.Tensor, token_rewards: torch.Tensor) -> None:
         """Advantages and returns on the all-gathered global batch, then this rank's rows."""
-        alg, batch = self.cfg.algorithm, rollout.batch
+        alg, batch = self.cfg.algorithm, rollout_batch.batch
         mask = batch.response_mask
         gathered = self.global_batch.gather({
-            "mask": mask, "rewards": token_rewards, "scores": scores, "groups": rollout.group_ids.float(),
+            "mask": mask, "rewards": token_rewards, "scores": scores, "groups": rollout_batch.group_ids.float(),
             **({"values": batch.tensors["old_values"]} if self.critic is not None else {})})
         if alg.adv_estimator == "gae":
             advantages, returns = A.compute_gae(gathered["rewards"], gathered["values"], gathered["mask"], alg.gamma, alg.lam)
@@ -328,17 +328,17 @@ class Trainer:
         elif alg.adv_estimator == "reinforce_plus_plus":
             advantages, returns = A.compute_reinforce_pp_advantages(gathered["rewards"], gathered["mask"], alg.gamma)
         else:  # remax: baseline = score of a greedy response to the same prompt
-            baseline = self.global_batch.gather({"baseline": self._greedy_baseline(rollout)})["baseline"]
+            baseline = self.global_batch.gather({"baseline": self._greedy_baseline(rollout_batch)})["baseline"]
             advantages = A.compute_remax_advantages(gathered["scores"], baseline, gathered["mask"])
             returns = advantages
         first = self.global_batch.offset(len(batch))
         batch.tensors["advantages"] = advantages[first : first + len(batch)] * mask
         batch.tensors["returns"] = returns[first : first + len(batch)] * mask
 
-    def _greedy_baseline(self, rollout: Rollout) -> torch.Tensor:
+    def _greedy_baseline(self, rollout_batch: RolloutBatch) -> torch.Tensor:
         """[m] ReMax's baseline: the score of one greedy response per prompt, repeated for its samples."""
         n = self.sampling.n
-        prompts = [rollout.samples[i].prompt for i in range(0, len(rollout.samples), n)]
+        prompts = [rollout_batch.samples[i].prompt for i in range(0, len(rollout_batch.samples), n)]
         self.rollout.resume_memory()
         greedy = self._generate(prompts, self._greedy)
         self.rollout.release_memory()
@@ -401,14 +401,14 @@ class Trainer:
         return {**stats.metrics, "actor/grad_norm": _mean(stats.grad_norms), "actor/skipped_steps": float(stats.skipped_steps)}
 
     # --- checks, guards, offload -----------------------------------------------------------------
-    def _verify_sync(self, rollout: Rollout, actor_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
-        """rollout.verify_weights: the engine's log-probs of its own samples (the probe batch) must
+    def _verify_sync(self, rollout_batch: RolloutBatch, actor_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
+        """rollout.verify_weights: the engine's log-probs of its own samples must
         equal the actor's, or the weight sync went wrong; raises WeightSyncMismatch."""
         truncated = self.cfg.rollout.top_k > 0 or self.cfg.rollout.top_p < 1.0
-        if not self.cfg.rollout.verify_weights or (truncated and not rollout.logprobs_are_scaled):
+        if not self.cfg.rollout.verify_weights or (truncated and not rollout_batch.logprobs_are_scaled):
             return  # processed log-probs of a truncated distribution are not what the actor computes
         atol = 1e-3 if self.cfg.model.dtype == "float32" else 0.1
-        compare_logprobs(rollout.rollout_logprobs, actor_logprobs, mask, atol=atol)
+        compare_logprobs(rollout_batch.rollout_logprobs, actor_logprobs, mask, atol=atol)
 
     def _apply_guard_actions(self, verdict) -> None:
         # Roll back first: loading a checkpoint also restores the optimizers' learning rates, so
