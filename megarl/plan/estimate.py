@@ -233,13 +233,18 @@ def plan(arch: Arch, lay: Layout, run: RunShape, cl: Cluster) -> dict:
         total = params - ref_away + grads + optim + act + logits + run.overhead_gib * GIB
         train_rows.append({"stage": s, "params": params - ref_away, "grads": grads, "optimizer": optim, "activations": act,
                            "logits": logits, "overhead": run.overhead_gib * GIB, "total": total})
-        offloaded = 0.0
+        offloaded = moved = 0.0
         for r, st in states.items():
-            offloaded += st.params if run.param_offload else 0.0
+            part = st.params if run.param_offload else 0.0
             if r != "ref":
-                offloaded += (st.grads if run.grad_offload else 0.0) + (st.optimizer if run.optimizer_offload == "phases" else 0.0)
+                part += (st.grads if run.grad_offload else 0.0) + (st.optimizer if run.optimizer_offload == "phases" else 0.0)
+            offloaded += part
+            # Each engine goes out and back once a step; the actor twice, because the weight sync
+            # reads its parameters through onload(), which brings its gradients and optimizer
+            # state back too (megarl/trainer.py _actor_shards) before they leave again.
+            moved += part * (2 if r == "actor" else 1)
         resident = params + grads + optim - offloaded
-        moved_rows.append(offloaded)
+        moved_rows.append(moved)
         gen_rows.append({"stage": s, "training_state": resident})
     train = max(train_rows, key=lambda r: r["total"])
 
@@ -281,7 +286,7 @@ def plan(arch: Arch, lay: Layout, run: RunShape, cl: Cluster) -> dict:
     times = step_time(arch, run, cl, sync["seconds"])
 
     def gib(d: dict) -> dict:
-        return {k: (round(v / GIB, 3) if isinstance(v, (int, float)) and k != "stage" else v) for k, v in d.items()}
+        return {k: (round(v / GIB, 6) if isinstance(v, (int, float)) and k != "stage" else v) for k, v in d.items()}
 
     return {
         "fits": fits_train and fits_gen,
@@ -294,10 +299,10 @@ def plan(arch: Arch, lay: Layout, run: RunShape, cl: Cluster) -> dict:
         "layout": {**asdict(lay), "dp": dp, "expert_dp": edp},
         "run": asdict(run),
         "memory_gib": {
-            "training": {**gib(train), "fits": fits_train, "per_stage_total": [round(r["total"] / GIB, 3) for r in train_rows]},
+            "training": {**gib(train), "fits": fits_train, "per_stage_total": [round(r["total"] / GIB, 6) for r in train_rows]},
             "rollout": {**gib(gen), "fits": fits_gen, "kv_cache_tokens": int(kv_capacity // kv_per_token),
                         "generation_waves": math.ceil(kv_needed / kv_capacity) if kv_capacity else None},
-            "offload": {"to_host_and_back_per_step": round(max(moved_rows) / GIB, 3),
+            "offload": {"to_host_and_back_per_step": round(max(moved_rows) / GIB, 6),
                         "host_optimizer_state": round(sum(engine_state(arch, lay, 0, run, dp, edp, r).optimizer for r in roles if r != "ref") / GIB, 3)
                         if run.optimizer_offload == "cpu" else 0.0},
         },
