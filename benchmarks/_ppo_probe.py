@@ -1,12 +1,13 @@
 """launch/ppo.py with two benchmark hooks, for benchmarks/suite.py (run it like launch/ppo.py).
 
-- Calibration: before and after every PPO step the process times a fixed CPU workload
-  (`calibration_seconds`) and logs the mean as `bench/calibration_s`; suite.py divides each
-  phase's seconds by it, so a machine that is slower or busier as a whole does not read as a
-  regression, while a phase that got slower does.
-- Injection: `MEGARL_BENCH_SLOWDOWN=<phase>:<fraction>` (e.g. `update_actor:0.2`) sleeps,
-  at the end of that phase, `fraction` x the phase's own elapsed time: a real slowdown of one
-  phase by that fraction, to show that `make bench-check` catches it.
+- CPU seconds per phase: the machine is shared, so wall time mostly measures the neighbours;
+  the process's CPU time (`time.process_time`, one process, one thread per op) measures the work.
+  Logged as `bench/cpu_s/<phase>`, with `bench/calibration_cpu_s`: the CPU time of a fixed
+  workload (a small MLP's forward, backward and Adam step) run before and after every PPO step,
+  so that suite.py's figures are CPU-speed independent too.
+- Injection: `MEGARL_BENCH_SLOWDOWN=<phase>:<fraction>` (e.g. `update_actor:0.2`) busy-works, at
+  the end of that phase, `fraction` x the CPU time the phase took: a real 20% slowdown of one
+  phase, to show that `make bench-check` catches it and names the phase.
 """
 from __future__ import annotations
 
@@ -22,48 +23,63 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def calibration_seconds(repeats: int = 3) -> float:
-    """Median seconds of a fixed mix like the phases' (small matmuls, elementwise ops, Python)."""
-    g = torch.Generator().manual_seed(0)
-    a, b = torch.randn(128, 128, generator=g), torch.randn(128, 128, generator=g)
+def calibration_cpu_seconds(repeats: int = 3) -> float:
+    """Median CPU seconds of a fixed small training workload (Linear/SiLU forward, backward, Adam)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.SiLU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+    x = torch.randn(512, 64)
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        x = a
-        for _ in range(60):
-            x = torch.tanh(x @ b) * 0.5 + a
-        sum(i * i for i in range(20000))
-        times.append(time.perf_counter() - t0)
+        t0 = time.process_time()
+        for _ in range(20):
+            loss = net(x).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        times.append(time.process_time() - t0)
     return sorted(times)[len(times) // 2]
+
+
+def _spin(cpu_seconds: float) -> None:
+    end = time.process_time() + cpu_seconds
+    while time.process_time() < end:
+        pass
 
 
 def install() -> None:
     from megarl import trainer as trainer_module
 
-    Trainer = trainer_module.Trainer
-    step = Trainer.ppo_step
+    timer = getattr(trainer_module, "_Timer", None)
+    if timer is None:
+        raise SystemExit("benchmarks/_ppo_probe.py: megarl.trainer has no _Timer any more; update the phase hooks")
+    cpu: dict[str, float] = {}
+    slow_phase, _, fraction = (os.environ.get("MEGARL_BENCH_SLOWDOWN") or "").partition(":")
+    enter, exit_ = timer.__enter__, timer.__exit__
+
+    def timed_enter(self):
+        self._cpu_start = time.process_time()
+        return enter(self)
+
+    def timed_exit(self, *exc):
+        phase = self.name.removeprefix("timing_s/")
+        if phase == slow_phase:
+            _spin(float(fraction) * (time.process_time() - self._cpu_start))
+        cpu[phase] = cpu.get(phase, 0.0) + time.process_time() - self._cpu_start
+        return exit_(self, *exc)
+
+    timer.__enter__, timer.__exit__ = timed_enter, timed_exit
+    step = trainer_module.Trainer.ppo_step
 
     def ppo_step(self):
-        before = calibration_seconds()
+        before = calibration_cpu_seconds()
+        cpu.clear()
         metrics = step(self)
-        metrics["bench/calibration_s"] = (before + calibration_seconds()) / 2
+        metrics.update({f"bench/cpu_s/{k}": v for k, v in cpu.items()})
+        metrics["bench/calibration_cpu_s"] = (before + calibration_cpu_seconds()) / 2
         return metrics
 
-    Trainer.ppo_step = ppo_step
-    spec = os.environ.get("MEGARL_BENCH_SLOWDOWN")
-    if spec:
-        phase, _, fraction = spec.partition(":")
-        timer = getattr(trainer_module, "_Timer", None)
-        if timer is None:
-            raise SystemExit("benchmarks/_ppo_probe.py: megarl.trainer has no _Timer any more; update the injection hook")
-        exit_ = timer.__exit__
-
-        def slowed_exit(self, *exc):
-            if self.name == f"timing_s/{phase}":
-                time.sleep(float(fraction) * (time.perf_counter() - self.start))
-            return exit_(self, *exc)
-
-        timer.__exit__ = slowed_exit
+    trainer_module.Trainer.ppo_step = ppo_step
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ splits it:
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -181,8 +182,9 @@ def mlp_tensors(a: Arch, layer: int) -> list[Tensor]:
     return out
 
 
-def layer_tensors(a: Arch, layer: int) -> list[Tensor]:
-    return attention_tensors(a) + mlp_tensors(a, layer)
+@functools.lru_cache(maxsize=4096)
+def layer_tensors(a: Arch, layer: int) -> tuple[Tensor, ...]:
+    return tuple(attention_tensors(a) + mlp_tensors(a, layer))
 
 
 def embedding_tensor(a: Arch, tp: int = 1) -> Tensor:

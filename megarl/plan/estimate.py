@@ -17,6 +17,7 @@ comes back for the next forward/backward. `optimizer_offload="cpu"` is Megatron'
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 
@@ -102,7 +103,8 @@ def check(arch: Arch, lay: Layout, cl: Cluster) -> tuple[int, int]:
 
 
 # --- what one GPU holds ----------------------------------------------------------------------------
-def stage_tensors(arch: Arch, lay: Layout, stage: int, critic: bool = False) -> list[Tensor]:
+@functools.lru_cache(maxsize=4096)
+def stage_tensors(arch: Arch, lay: Layout, stage: int, critic: bool = False) -> tuple[Tensor, ...]:
     """The Megatron tensors of one pipeline stage (full sizes; `local_numel` cuts them)."""
     stages = stage_layers(arch.num_layers, lay.pp, lay.first_stage_layers, lay.last_stage_layers)
     out: list[Tensor] = []
@@ -115,7 +117,7 @@ def stage_tensors(arch: Arch, lay: Layout, stage: int, critic: bool = False) -> 
         if arch.tie_embeddings and not critic and lay.pp == 1:
             head = head[:1]  # the embedding is the LM head
         out += head
-    return out
+    return tuple(out)
 
 
 def local_numel(t: Tensor, lay: Layout) -> int:
@@ -376,21 +378,43 @@ def step_time(arch: Arch, run: RunShape, cl: Cluster, sync_seconds: float) -> di
             "assumed_mfu": run.mfu, "assumed_gen_mfu": run.gen_mfu}
 
 
+def balanced_split(num_layers: int, pp: int) -> tuple[int | None, int | None] | None:
+    """(first, last) stage layers for pp stages (None = as many as a middle stage): the split with
+    the fewest layers on the busiest stage; None when no split exists."""
+    if num_layers % pp == 0:
+        return None, None
+    best = None
+    options = [None, *range(1, -(-num_layers // pp) + 1)]
+    for f in options:
+        for last in options:
+            try:
+                sizes = [len(r) for r in stage_layers(num_layers, pp, f, last)]
+            except ValueError:
+                continue
+            key = (max(sizes), sizes[0] + sizes[-1])  # then lighter end stages (they hold embedding and head)
+            if best is None or key < best[0]:
+                best = (key, (f, last))
+    return None if best is None else best[1]
+
+
 def search(arch: Arch, run: RunShape, cl: Cluster, top: int = 5, base: Layout | None = None) -> list[dict]:
-    """Layouts that fit, fastest estimated step first: tp (powers of 2 within a node), pp (even
-    splits), ep (MoE, etp 1), rollout tp (powers of 2); cp stays as given."""
+    """Layouts that fit, fastest estimated step first: tp (powers of 2 within a node), pp up to
+    32 (uneven end stages when the layers do not divide), ep (MoE, etp 1), rollout tp (powers of
+    2 up to 64); cp stays as given."""
     base = base or Layout()
     found = []
     pow2 = [2**i for i in range(12)]
     for tp in [t for t in pow2 if t <= cl.gpus_per_node]:
-        for pp in [p for p in range(1, arch.num_layers + 1) if arch.num_layers % p == 0]:
-            if cl.gpus % (tp * pp * base.cp):
+        for pp in range(1, min(arch.num_layers, 32) + 1):
+            split = balanced_split(arch.num_layers, pp)
+            if split is None or cl.gpus % (tp * pp * base.cp):
                 continue
             dp = cl.gpus // (tp * pp * base.cp)
             eps = [e for e in range(1, arch.experts + 1) if arch.experts % e == 0 and (tp * dp * base.cp) % e == 0] if arch.is_moe else [1]
             for ep in eps:
-                for G in [g for g in pow2 if g <= cl.gpus and cl.gpus % g == 0 and arch.heads % g == 0]:
-                    lay = Layout(tp=tp, pp=pp, ep=ep, etp=1 if arch.is_moe else None, cp=base.cp, rollout_tp=G)
+                for G in [g for g in pow2 if g <= min(cl.gpus, 64) and cl.gpus % g == 0 and arch.heads % g == 0]:
+                    lay = Layout(tp=tp, pp=pp, first_stage_layers=split[0], last_stage_layers=split[1], ep=ep,
+                                 etp=1 if arch.is_moe else None, cp=base.cp, rollout_tp=G)
                     try:
                         p = plan(arch, lay, run, cl)
                     except ValueError:

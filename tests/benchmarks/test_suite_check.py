@@ -17,7 +17,7 @@ BASELINE = {"machine_kind": "cpu-2", "metrics": {
     "ppo/update_critic": {"value": 9.0, "gate": True},
     "ppo/adv": {"value": 0.01, "gate": False},
     "sync/megarl_over_naive": {"value": 0.6, "gate": True},
-    "_calibration_s": {"value": 0.05, "gate": False}}}
+    "_calibration_cpu_s": {"value": 0.05, "gate": False}}}
 
 
 def _with(**values) -> dict:

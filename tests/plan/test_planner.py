@@ -46,10 +46,16 @@ def test_hand_worked_flops():
 
 
 def test_uneven_stages():
+    from megarl.plan.estimate import balanced_split
+
     assert [len(r) for r in stage_layers(61, 16, 3, 2)] == [3] + [4] * 14 + [2]
     assert [len(r) for r in stage_layers(61, 12, None, 6)] == [5] * 11 + [6]
     with pytest.raises(ValueError, match="61 layers do not split over pp=16"):
         stage_layers(61, 16)
+    # The search's split: the busiest stage as light as possible, then the lightest end stages.
+    assert balanced_split(24, 4) == (None, None)
+    assert [len(r) for r in stage_layers(61, 16, *balanced_split(61, 16))] == [4] * 15 + [1]
+    assert max(len(r) for r in stage_layers(61, 12, *balanced_split(61, 12))) == 6
 
 
 NEMO_RL = dict(  # NeMo-RL examples/configs/recipes/llm/performance/grpo-deepseek-v3-32n8g.yaml
@@ -112,6 +118,13 @@ def test_glm45_sizes_and_fits_on_a_large_cluster():
     report = plan(arch, lay, RunShape(recompute="full", param_offload=True, grad_offload=True, optimizer_offload="phases"),
                   Cluster(256, 8, GPUS["h100-80gb"]))
     assert report["fits"], report["problems"]
+
+
+def test_search_finds_deepseek_v3_layouts_on_256_h100():
+    run = NEMO_RL["run"]
+    found = search(arch_from_config(DEEPSEEK_V3), run, NEMO_RL["cluster"], top=3)
+    assert found, "the published NeMo-RL layout fits, so the search must find at least one"
+    assert all(f["training_gib"] <= 80 and f["rollout_gib"] <= 80 for f in found)
 
 
 def test_search_ranks_fitting_layouts_for_qwen25_7b():
