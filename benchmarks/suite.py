@@ -6,10 +6,11 @@
 
 Every figure is a ratio taken inside one run, so a slower or busier machine does not read as a
 regression:
-- `sync/megarl_over_naive`: weight-sync seconds of megarl's 3D-HybridEngine over the naive
-  per-tensor all-gather, alternated in one torchrun (benchmarks/reshard.py, train tp2 -> rollout tp1);
-- `actor_update/packed_over_padded`: seconds of a packed over a padded actor update, alternated in
-  one process (benchmarks/packing.py);
+- `sync/megarl_over_naive`: weight-sync CPU seconds (busiest rank) of megarl's 3D-HybridEngine over
+  the naive per-tensor all-gather, alternated in one torchrun (benchmarks/reshard.py, train tp2 ->
+  rollout tp1);
+- `actor_update/packed_over_padded`: CPU seconds of a packed over a padded actor update, alternated
+  in one process (benchmarks/packing.py);
 - `ppo/<phase>`: median CPU seconds of each PPO phase of the CPU demo (one process) over the CPU
   seconds of a fixed calibration workload run in the same process before and after every step
   (benchmarks/_ppo_probe.py). CPU time, not wall time: on a shared machine wall time mostly
@@ -70,7 +71,8 @@ def _torchrun(nproc: int) -> list[str]:
 
 def bench_sync(tmp: Path) -> dict:
     out = tmp / "reshard.json"
-    _run(_torchrun(2) + ["benchmarks/reshard.py", "--train-tp", "2", "--rollout-tp", "1", "--repeats", "9", "--out", str(out)])
+    _run(_torchrun(2) + ["benchmarks/reshard.py", "--train-tp", "2", "--rollout-tp", "1", "--repeats", "9", "--clock", "cpu",
+                         "--out", str(out)])
     r = json.loads(out.read_text())
     # Each repeat runs megarl then naive back to back: the median of those pairs' ratios, after
     # the first two (allocator and gloo warm-up), is what load changes disturb least.
@@ -81,7 +83,8 @@ def bench_sync(tmp: Path) -> dict:
 
 def bench_packing(tmp: Path) -> dict:
     out = tmp / "packing.json"
-    _run([sys.executable, "benchmarks/packing.py", "--sequences", "16", "--rounds", "3", "--out", str(out)])
+    _run([sys.executable, "benchmarks/packing.py", "--sequences", "16", "--rounds", "3", "--clock", "cpu",
+          "--out", str(out)])
     r = json.loads(out.read_text())
     return {"actor_update/packed_over_padded": {"value": 1.0 / r["speedup_packed_over_padded"], "gate": True,
                                                 "detail": r["median_seconds_per_step"]}}
@@ -169,13 +172,13 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="measure the suite")
     r.add_argument("--out", type=Path, default=DEFAULT_RESULTS)
-    r.add_argument("--steps", type=int, default=8, help=f"PPO steps (the first {WARMUP_STEPS} are warm-up)")
+    r.add_argument("--steps", type=int, default=10, help=f"PPO steps (the first {WARMUP_STEPS} are warm-up)")
     c = sub.add_parser("check", help="compare results with the baseline of this machine kind")
     c.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
     c.add_argument("--baseline", type=Path)
     c.add_argument("--tolerance", type=float, default=0.15)
     b = sub.add_parser("baseline", help="measure and store as this machine kind's baseline")
-    b.add_argument("--steps", type=int, default=8)
+    b.add_argument("--steps", type=int, default=10)
     args = p.parse_args(argv)
 
     if args.cmd == "run":
