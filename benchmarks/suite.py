@@ -17,8 +17,8 @@ regression:
   measures the neighbours;
 - `rollout/<engine>/seconds_per_token`: generation CPU seconds per generated token, over the same
   calibration, for each rollout engine installed and usable here (HF always; vLLM/SGLang need a GPU).
-Lower is better for all. `check` flags a gated figure more than --tolerance (15%) above the
-baseline, naming it, and exits 1; phases under 5% of the step are reported but not gated (too
+Lower is better for all. `check` flags a gated figure more than --tolerance (15%; the sync figure
+carries 30%, its measured noise) above the baseline, naming it, and exits 1; phases under 5% of the step are reported but not gated (too
 short to time on a shared machine). Baselines: benchmarks/baselines/<machine kind>/suite.json.
 """
 from __future__ import annotations
@@ -71,13 +71,15 @@ def _torchrun(nproc: int) -> list[str]:
 
 def bench_sync(tmp: Path) -> dict:
     out = tmp / "reshard.json"
-    _run(_torchrun(2) + ["benchmarks/reshard.py", "--train-tp", "2", "--rollout-tp", "1", "--repeats", "9", "--clock", "cpu",
-                         "--out", str(out)])
+    _run(_torchrun(2) + ["benchmarks/reshard.py", "--train-tp", "2", "--rollout-tp", "1", "--num-layers", "24", "--repeats", "12",
+                         "--clock", "cpu", "--out", str(out)])
     r = json.loads(out.read_text())
-    # Each repeat runs megarl then naive back to back: the median of those pairs' ratios, after
-    # the first two (allocator and gloo warm-up), is what load changes disturb least.
-    pairs = list(zip(r["megarl"]["seconds_all"], r["naive"]["seconds_all"]))[2:]
-    return {"sync/megarl_over_naive": {"value": statistics.median(m / n for m, n in pairs), "gate": True,
+    # Fastest over fastest, after two warm-up repeats: interference from other processes only
+    # adds time, so the minima are the steadiest estimate of each method's cost. Still the
+    # noisiest figure here (two gloo ranks on two shared cores: 0.67-0.84 over four runs of the
+    # same code), hence its own tolerance.
+    megarl, naive = r["megarl"]["seconds_all"][2:], r["naive"]["seconds_all"][2:]
+    return {"sync/megarl_over_naive": {"value": min(megarl) / min(naive), "gate": True, "tolerance": 0.30,
                                        "detail": {"megarl_s": r["megarl"]["seconds_all"], "naive_s": r["naive"]["seconds_all"]}}}
 
 
@@ -159,11 +161,12 @@ def compare(current: dict, baseline: dict, tolerance: float) -> tuple[list[str],
             continue
         ratio = now["value"] / base["value"]
         gated = base.get("gate", False)
-        verdict = "ok" if ratio <= 1 + tolerance else ("REGRESSION" if gated else "slower (not gated)")
+        tol = base.get("tolerance", tolerance)  # a figure may carry its own, measured noise
+        verdict = "ok" if ratio <= 1 + tol else ("REGRESSION" if gated else "slower (not gated)")
         lines.append(f"{verdict:>18}  {name:<36} {now['value']:10.4f} vs baseline {base['value']:10.4f}  ({ratio:.2f}x)")
-        if gated and ratio > 1 + tolerance:
+        if gated and ratio > 1 + tol:
             what = f"PPO phase '{name.removeprefix('ppo/')}'" if name.startswith("ppo/") else name
-            regressions.append(f"{what}: {ratio:.2f}x its baseline ({now['value']:.4f} vs {base['value']:.4f}; tolerance {tolerance:.0%})")
+            regressions.append(f"{what}: {ratio:.2f}x its baseline ({now['value']:.4f} vs {base['value']:.4f}; tolerance {tol:.0%})")
     return lines, regressions
 
 

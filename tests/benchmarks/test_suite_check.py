@@ -59,3 +59,11 @@ def test_check_cli_exit_codes(tmp_path):
     now.write_text(json.dumps({**_with(), "machine_kind": "no-such-machine"}))
     proc = check()
     assert proc.returncode == 2 and "no baseline for machine kind 'no-such-machine'" in proc.stderr
+
+
+def test_a_figure_may_carry_its_own_tolerance():
+    base = {"machine_kind": "cpu-2", "metrics": {"sync/megarl_over_naive": {"value": 0.6, "gate": True, "tolerance": 0.30}}}
+    now = {"machine_kind": "cpu-2", "metrics": {"sync/megarl_over_naive": {"value": 0.75, "gate": True}}}
+    assert suite.compare(now, base, tolerance=0.15)[1] == []  # 1.25x: inside its 30%
+    now["metrics"]["sync/megarl_over_naive"]["value"] = 0.8
+    assert suite.compare(now, base, tolerance=0.15)[1][0].startswith("sync/megarl_over_naive: 1.33x")
