@@ -284,8 +284,9 @@ def plan(arch: Arch, lay: Layout, run: RunShape, cl: Cluster) -> dict:
     sync = sync_bytes(arch, lay, cl.gpus, dp)
     link = "nvlink" if cl.gpus <= cl.gpus_per_node or (lay.pp == 1 and max(lay.tp, G) <= cl.gpus_per_node) else "ib"
     bw = (cl.gpu.nvlink_gb_s if link == "nvlink" else cl.gpu.ib_gb_s) * 1e9
-    sync.update(link=link, seconds=sync["megarl_bytes_per_gpu"] / bw, hybridflow_seconds=sync["hybridflow_bytes_per_gpu"] / bw)
-    times = step_time(arch, run, cl, sync["seconds"])
+    hf = sync["hybridflow_bytes_per_gpu"]
+    sync.update(link=link, seconds=sync["megarl_bytes_per_gpu"] / bw, hybridflow_seconds=None if hf is None else hf / bw)
+    times = step_time(arch, run, cl, sync["seconds"], lay, dp)
 
     def gib(d: dict) -> dict:
         return {k: (round(v / GIB, 6) if isinstance(v, (int, float)) and k != "stage" else v) for k, v in d.items()}
@@ -350,23 +351,28 @@ def sync_bytes(arch: Arch, lay: Layout, gpus: int, dp: int, dtype_bytes: int = 2
         other = {k: whole[k] - mine[k] for k in whole}
         naive = max(naive, (other["tp"] / lay.tp + other["rep"] if lay.pp > 1 else 0) + whole["tp"] * (lay.tp - 1) / lay.tp)
     return {"megarl_bytes_per_gpu": best * dtype_bytes,
-            "hybridflow_bytes_per_gpu": hybridflow_bytes_per_rank(model_bytes, train, G),
+            # HybridFlow's formula assumes each rollout shard contains a training shard (t_g <= t*p)
+            "hybridflow_bytes_per_gpu": hybridflow_bytes_per_rank(model_bytes, train, G) if G <= lay.tp * lay.pp else None,
             "naive_bytes_per_gpu": None if arch.is_moe else naive * dtype_bytes,
             "model_bytes": model_bytes}
 
 
-def step_time(arch: Arch, run: RunShape, cl: Cluster, sync_seconds: float) -> dict:
-    """Seconds per PPO step by phase: FLOPs / (GPUs x peak x assumed MFU)."""
+def step_time(arch: Arch, run: RunShape, cl: Cluster, sync_seconds: float, lay: Layout | None = None, dp: int = 1) -> dict:
+    """Seconds per PPO step by phase: FLOPs / (GPUs x peak x assumed MFU); the training-side
+    phases also wait for the pipeline bubble, (pp - 1) / (vpp x micro-batches per DP rank)."""
     P, R = run.prompt_len, run.response_len
     seqs = run.prompts_per_step * run.samples_per_prompt
     tokens = seqs * (P + R)
-    peak = cl.gpus * cl.gpu.bf16_tflops * 1e12
+    lay = lay or Layout()
+    micro_batches = max(1, math.ceil(tokens / (dp * lay.cp) / run.max_tokens_per_microbatch))
+    bubble = 1 + (lay.pp - 1) / (lay.vpp * micro_batches)
+    peak = cl.gpus * cl.gpu.bf16_tflops * 1e12 / bubble  # the gen phase below undoes it
 
     def fwd(critic=False):
         return tokens * forward_flops_per_token(arch, (P + R) / 2, critic)
 
     gen = seqs * (P * forward_flops_per_token(arch, P / 2) + R * forward_flops_per_token(arch, P + R / 2))
-    out = {"sync": sync_seconds, "gen": gen / (peak * run.gen_mfu), "old_log_prob": fwd() / (peak * run.mfu)}
+    out = {"sync": sync_seconds, "gen": gen / (peak * bubble * run.gen_mfu), "old_log_prob": fwd() / (peak * run.mfu)}
     if run.ref:
         out["ref"] = fwd() / (peak * run.mfu)
     if run.critic:
@@ -375,7 +381,7 @@ def step_time(arch: Arch, run: RunShape, cl: Cluster, sync_seconds: float) -> di
     out["update_actor"] = run.ppo_epochs * tokens * train_flops_per_token(arch, P + R, run.recompute) / (peak * run.mfu)
     total = sum(out.values())
     return {**{k: round(v, 3) for k, v in out.items()}, "total": round(total, 3), "sync_share": round(sync_seconds / total, 4),
-            "assumed_mfu": run.mfu, "assumed_gen_mfu": run.gen_mfu}
+            "assumed_mfu": run.mfu, "assumed_gen_mfu": run.gen_mfu, "pipeline_bubble": round(bubble - 1, 4)}
 
 
 def balanced_split(num_layers: int, pp: int) -> tuple[int | None, int | None] | None:

@@ -124,11 +124,12 @@ def render(report: dict) -> str:
         f"{'fits' if ro['fits'] else 'DOES NOT FIT'}",
         f"offload: {m['offload']['to_host_and_back_per_step']:.2f} GiB per GPU to host and back each step",
         f"weight sync per GPU: megarl {s['megarl_bytes_per_gpu'] / 2**30:.3f} GiB (HybridFlow bound "
-        f"{s['hybridflow_bytes_per_gpu'] / 2**30:.3f}" + (f", naive all-gather {s['naive_bytes_per_gpu'] / 2**30:.3f}"
-                                                           if s["naive_bytes_per_gpu"] is not None else "")
+        + (f"{s['hybridflow_bytes_per_gpu'] / 2**30:.3f}" if s["hybridflow_bytes_per_gpu"] is not None else "n/a: rollout tp > tp x pp")
+        + (f", naive all-gather {s['naive_bytes_per_gpu'] / 2**30:.3f}" if s["naive_bytes_per_gpu"] is not None else "")
         + f") -> {s['seconds']:.2f} s over {s['link']}",
-        "step time (s): " + ", ".join(f"{k} {v:.2f}" for k, v in t.items() if k not in ("total", "sync_share", "assumed_mfu", "assumed_gen_mfu"))
-        + f"; total {t['total']:.2f} (sync {100 * t['sync_share']:.1f}%) at assumed MFU {t['assumed_mfu']:g}, generation {t['assumed_gen_mfu']:g}",
+        "step time (s): " + ", ".join(f"{k} {v:.2f}" for k, v in t.items() if k not in ("total", "sync_share", "assumed_mfu", "assumed_gen_mfu", "pipeline_bubble"))
+        + f"; total {t['total']:.2f} (sync {100 * t['sync_share']:.1f}%) at assumed MFU {t['assumed_mfu']:g}, generation "
+        f"{t['assumed_gen_mfu']:g}, pipeline bubble {100 * t['pipeline_bubble']:.1f}%",
     ]
     lines += [f"does not fit: {p}" for p in report["problems"]]
     if "search" in report:
