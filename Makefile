@@ -23,3 +23,13 @@ test: setup
 # vllm tests); under 5 minutes on 2 cores. `make test` still runs everything.
 test-fast: setup
 	$(BIN)/python -m pytest tests -m "not slow and not multiprocess and not gpu and not vllm"
+
+# Benchmark suite (benchmarks/suite.py, benchmarks/README.md): a few minutes on 2 CPU cores.
+# bench-check measures, then compares with benchmarks/baselines/<machine kind>/suite.json and
+# fails, naming the figure, when one is more than 15% slower than its baseline.
+.PHONY: bench bench-check
+bench: setup
+	$(BIN)/python benchmarks/suite.py run
+
+bench-check: bench
+	$(BIN)/python benchmarks/suite.py check

@@ -5,9 +5,10 @@
 
 Builds a random Llama-style model of the preset's size with make_tiny_model (bf16 on GPU), runs
 `--warmup` + `--iters` actor updates on random sequences through MegatronEngine.train_step, and
-reports tokens/s, model FLOPs per token (6 * params for the dense matmuls + causal attention
-6 * layers * seq * hidden, forward + backward), TFLOP/s and MFU against --peak-tflops (989 for
-H100/H200 bf16 dense). Megatron-LM reaches about 40-50% MFU on such GPUs for dense models.
+reports tokens/s, model FLOPs per token (megarl.plan.train_flops_per_token: 6 x the matmul
+weights, LM head included, input-embedding lookup and norms not, + causal attention; forward +
+backward; recompute not counted), TFLOP/s and MFU against --peak-tflops (989 for H100/H200 bf16
+dense). Megatron-LM reaches about 40-50% MFU on such GPUs for dense models.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def main() -> int:
 
     gpu = torch.cuda.is_available()
     seq = args.seq_len if args.preset != "tiny" else min(args.seq_len, 64)
-    hidden, inter, layers, heads, kv, vocab = PRESETS[args.preset]
+    vocab = PRESETS[args.preset][-1]
     dims = dims_from_env(tp=args.tp, pp=args.pp).initialize()
     model_dir = random_llama(args.preset, dims, max_positions=seq, tag="mfu")
     dtype = "bfloat16" if gpu else "float32"
@@ -76,13 +77,17 @@ def main() -> int:
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / args.iters
     tokens = n * seq * dims.dp
-    flops_per_token = 6 * params + 6 * layers * seq * hidden  # matmuls + causal attention (fwd + bwd)
+    from megarl.plan import arch_from_config, load_config, train_flops_per_token
+
+    flops_per_token = train_flops_per_token(arch_from_config(load_config(model_dir)), seq)
     tflops_per_gpu = flops_per_token * tokens / seconds / dims.world_size / 1e12
     result = {
         "preset": args.preset, "params": params, "seq_len": seq, "sequences_per_dp_rank": n, "tp": args.tp, "pp": args.pp,
         "world_size": dims.world_size, "dtype": dtype, "recompute": args.recompute,
         "seconds_per_update": round(seconds, 4), "tokens_per_second": round(tokens / seconds, 1),
-        "model_tflops_per_gpu": round(tflops_per_gpu, 2), "mfu": round(tflops_per_gpu / args.peak_tflops, 4) if gpu else None,
+        "model_flops_per_token": flops_per_token,
+        # significant digits, not decimals: a tiny model on a loaded CPU reads ~1e-4 TFLOP/s
+        "model_tflops_per_gpu": float(f"{tflops_per_gpu:.4g}"), "mfu": float(f"{tflops_per_gpu / args.peak_tflops:.4g}") if gpu else None,
         "device": device_name(),
         "date": time.strftime("%Y-%m-%d"),
         "note": "optimizer step and Megatron's distributed-optimizer all-gathers are included in the time",

@@ -17,6 +17,13 @@ def test_actor_mfu_tiny(tmp_path):
     subprocess.run([sys.executable, "benchmarks/actor_mfu.py", "--preset", "tiny", "--iters", "1", "--out", str(out)],
                    cwd=REPO, check=True, capture_output=True, timeout=600)
     result = json.loads(out.read_text())
+    # The tiny preset (h 64, 4 heads of 16, 2 kv heads, ffn 128, 2 layers, vocab 301) at 64 tokens:
+    # matmul weights per token: qkv (4+2*2)*16*64 = 8192, proj 4096, fc1 16384, fc2 8192 per
+    # layer (x2), LM head 301*64 = 19264 -> 92992; the embedding lookup is no matmul. Causal
+    # attention at mean context 32: 2 * 32 * 4 heads * (16 + 16) * 2 layers = 16384. Forward
+    # + backward = 3 x (2 * 92992 + 16384).
+    assert result["model_flops_per_token"] == 3 * (2 * 92992 + 16384)
+    # Rounded to significant digits, so however slow the machine the figure is not 0.0.
     assert result["params"] > 100_000 and result["tokens_per_second"] > 0 and result["model_tflops_per_gpu"] > 0
 
 

@@ -1,0 +1,220 @@
+"""The benchmark suite and its regression gate (`make bench`, `make bench-check`).
+
+    python benchmarks/suite.py run   [--out runs/bench/suite.json]       # measure (a few minutes, 2 cores)
+    python benchmarks/suite.py check [--results runs/bench/suite.json]   # compare with the baseline
+    python benchmarks/suite.py baseline                                   # refresh this machine kind's baseline
+
+Every figure is a ratio taken inside one run, so a slower or busier machine does not read as a
+regression:
+- `sync/megarl_over_naive`: weight-sync CPU seconds (busiest rank) of megarl's 3D-HybridEngine over
+  the naive per-tensor all-gather, alternated in one torchrun (benchmarks/reshard.py, train tp2 ->
+  rollout tp1);
+- `actor_update/packed_over_padded`: CPU seconds of a packed over a padded actor update, alternated
+  in one process (benchmarks/packing.py);
+- `ppo/<phase>`: median CPU seconds of each PPO phase of the CPU demo (one process) over the CPU
+  seconds of a fixed calibration workload run in the same process before and after every step
+  (benchmarks/_ppo_probe.py). CPU time, not wall time: on a shared machine wall time mostly
+  measures the neighbours;
+- `rollout/<engine>/seconds_per_token`: generation CPU seconds per generated token, over the same
+  calibration, for each rollout engine installed and usable here (HF always; vLLM/SGLang need a GPU).
+Lower is better for all. `check` flags a gated figure more than --tolerance (15%; the sync figure
+carries 30%, its measured noise) above the baseline, naming it, and exits 1; phases under 5% of the step are reported but not gated (too
+short to time on a shared machine). Baselines: benchmarks/baselines/<machine kind>/suite.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_RESULTS = REPO / "runs" / "bench" / "suite.json"
+WARMUP_STEPS = 2
+GATE_MIN_SHARE = 0.05
+
+
+def machine_kind() -> str:
+    """`cpu-<cores>` or the GPU's name, as a directory name (baselines are per machine kind)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+    except ImportError:
+        pass
+    return f"cpu-{os.cpu_count()}"
+
+
+def baseline_path(kind: str | None = None) -> Path:
+    return REPO / "benchmarks" / "baselines" / (kind or machine_kind()) / "suite.json"
+
+
+def _run(cmd: list[str], env: dict | None = None) -> None:
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                                              "PYTHONWARNINGS": "ignore", **(env or {})})
+    if proc.returncode:
+        raise SystemExit(f"benchmark command failed ({proc.returncode}): {' '.join(cmd)}\n{(proc.stdout + proc.stderr)[-4000:]}")
+
+
+def _torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def bench_sync(tmp: Path) -> dict:
+    out = tmp / "reshard.json"
+    _run(_torchrun(2) + ["benchmarks/reshard.py", "--train-tp", "2", "--rollout-tp", "1", "--num-layers", "24", "--repeats", "12",
+                         "--clock", "cpu", "--out", str(out)])
+    r = json.loads(out.read_text())
+    # Fastest over fastest, after two warm-up repeats: interference from other processes only
+    # adds time, so the minima are the steadiest estimate of each method's cost. Still the
+    # noisiest figure here (two gloo ranks on two shared cores: 0.67-0.84 over four runs of the
+    # same code), hence its own tolerance.
+    megarl, naive = r["megarl"]["seconds_all"][2:], r["naive"]["seconds_all"][2:]
+    return {"sync/megarl_over_naive": {"value": min(megarl) / min(naive), "gate": True, "tolerance": 0.30,
+                                       "detail": {"megarl_s": r["megarl"]["seconds_all"], "naive_s": r["naive"]["seconds_all"]}}}
+
+
+def bench_packing(tmp: Path) -> dict:
+    out = tmp / "packing.json"
+    _run([sys.executable, "benchmarks/packing.py", "--sequences", "16", "--rounds", "3", "--clock", "cpu",
+          "--out", str(out)])
+    r = json.loads(out.read_text())
+    return {"actor_update/packed_over_padded": {"value": 1.0 / r["speedup_packed_over_padded"], "gate": True,
+                                                "detail": r["median_seconds_per_step"]}}
+
+
+def bench_ppo(tmp: Path, steps: int) -> dict:
+    run_dir = tmp / "ppo"
+    overrides = [f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}", "trainer.save_every_steps=0",
+                 f"trainer.val_every_steps={steps + 1}", "tracking.progress_bar=false", "tracking.mlflow=false",
+                 f"model.path={REPO / 'runs' / 'bench' / 'tiny-llama-digits'}",
+                 f"data.train_files=[{REPO / 'runs' / 'bench' / 'arithmetic' / 'train.parquet'}]",
+                 f"data.val_files=[{REPO / 'runs' / 'bench' / 'arithmetic' / 'test.parquet'}]"]
+    _run([sys.executable, "benchmarks/_ppo_probe.py", "--config", "configs/tiny_cpu.yaml", *overrides])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "event" not in r][WARMUP_STEPS:]
+    phases = sorted(k.removeprefix("bench/cpu_s/") for k in rows[0] if k.startswith("bench/cpu_s/"))
+    out = {}
+    step = statistics.median(sum(r[f"bench/cpu_s/{ph}"] for ph in phases) for r in rows)
+    for ph in phases:
+        seconds = statistics.median(r[f"bench/cpu_s/{ph}"] for r in rows)
+        out[f"ppo/{ph}"] = {"value": statistics.median(r[f"bench/cpu_s/{ph}"] / r["bench/calibration_cpu_s"] for r in rows),
+                            "gate": seconds >= GATE_MIN_SHARE * step,
+                            "detail": {"median_cpu_s": seconds, "share_of_step": seconds / step,
+                                       "median_wall_s": statistics.median(r[f"timing_s/{ph}"] for r in rows)}}
+    # The HF engine's generation speed: CPU time of the gen phase per generated token.
+    per_token = [r["bench/cpu_s/gen"] / (r["response_length/mean"] * _responses(rows)) / r["bench/calibration_cpu_s"] for r in rows]
+    out["rollout/hf/seconds_per_token"] = {"value": statistics.median(per_token), "gate": out["ppo/gen"]["gate"]}
+    out["_calibration_cpu_s"] = {"value": statistics.median(r["bench/calibration_cpu_s"] for r in rows), "gate": False}
+    return out
+
+
+def _responses(rows) -> int:
+    import yaml
+
+    cfg = yaml.safe_load((REPO / "configs" / "tiny_cpu.yaml").read_text())
+    return cfg["data"]["prompts_per_step"] * cfg["rollout"]["samples_per_prompt"]
+
+
+def other_engines() -> dict:
+    """vLLM / SGLang: measured where installed with a GPU; otherwise the reason they are not."""
+    out = {}
+    for engine in ("vllm", "sglang"):
+        if importlib.util.find_spec(engine) is None:
+            out[f"rollout/{engine}"] = {"skipped": f"{engine} is not installed"}
+        else:
+            out[f"rollout/{engine}"] = {"skipped": f"{engine} is installed but the suite does not measure it yet (needs a GPU run)"}
+    return out
+
+
+def run_suite(out: Path, steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        metrics = {**bench_ppo(tmp, steps), **bench_sync(tmp), **bench_packing(tmp)}
+    result = {"machine_kind": machine_kind(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
+              "slowdown_injected": os.environ.get("MEGARL_BENCH_SLOWDOWN"), "metrics": metrics, "not_measured": other_engines()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def compare(current: dict, baseline: dict, tolerance: float) -> tuple[list[str], list[str]]:
+    """(report lines, regressions): every gated baseline figure must be present and at most
+    (1 + tolerance) x its baseline value."""
+    lines, regressions = [], []
+    for name, base in sorted(baseline["metrics"].items()):
+        if name.startswith("_"):
+            continue
+        now = current["metrics"].get(name)
+        if now is None:
+            regressions.append(f"{name}: measured in the baseline, missing now")
+            continue
+        ratio = now["value"] / base["value"]
+        gated = base.get("gate", False)
+        tol = base.get("tolerance", tolerance)  # a figure may carry its own, measured noise
+        verdict = "ok" if ratio <= 1 + tol else ("REGRESSION" if gated else "slower (not gated)")
+        lines.append(f"{verdict:>18}  {name:<36} {now['value']:10.4f} vs baseline {base['value']:10.4f}  ({ratio:.2f}x)")
+        if gated and ratio > 1 + tol:
+            what = f"PPO phase '{name.removeprefix('ppo/')}'" if name.startswith("ppo/") else name
+            regressions.append(f"{what}: {ratio:.2f}x its baseline ({now['value']:.4f} vs {base['value']:.4f}; tolerance {tol:.0%})")
+    return lines, regressions
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="measure the suite")
+    r.add_argument("--out", type=Path, default=DEFAULT_RESULTS)
+    r.add_argument("--steps", type=int, default=10, help=f"PPO steps (the first {WARMUP_STEPS} are warm-up)")
+    c = sub.add_parser("check", help="compare results with the baseline of this machine kind")
+    c.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
+    c.add_argument("--baseline", type=Path)
+    c.add_argument("--tolerance", type=float, default=0.15)
+    b = sub.add_parser("baseline", help="measure and store as this machine kind's baseline")
+    b.add_argument("--steps", type=int, default=10)
+    args = p.parse_args(argv)
+
+    if args.cmd == "run":
+        result = run_suite(args.out, args.steps)
+        for name, m in result["metrics"].items():
+            print(f"{name:<36} {m['value']:.4f}{'' if m['gate'] else '  (not gated)'}")
+        print(f"wrote {args.out}")
+        return 0
+    if args.cmd == "baseline":
+        if os.environ.get("MEGARL_BENCH_SLOWDOWN"):
+            print("error: MEGARL_BENCH_SLOWDOWN is set; a baseline must measure the code as it is", file=sys.stderr)
+            return 2
+        out = baseline_path()
+        run_suite(out, args.steps)
+        print(f"wrote {out}; commit it with a message saying why the baseline moved")
+        return 0
+    if not args.results.is_file():
+        print(f"error: {args.results} does not exist; run `make bench` (python benchmarks/suite.py run) first", file=sys.stderr)
+        return 2
+    current = json.loads(args.results.read_text())
+    base_file = args.baseline or baseline_path(current["machine_kind"])
+    if not base_file.is_file():
+        print(f"error: no baseline for machine kind {current['machine_kind']!r} ({base_file}); create one with "
+              f"`python benchmarks/suite.py baseline` (see benchmarks/README.md)", file=sys.stderr)
+        return 2
+    lines, regressions = compare(current, json.loads(base_file.read_text()), args.tolerance)
+    print(f"bench-check: {args.results} against {base_file.relative_to(REPO) if base_file.is_relative_to(REPO) else base_file}")
+    print("\n".join(lines))
+    for reg in regressions:
+        print(f"REGRESSION: {reg}")
+    print("bench-check: FAILED" if regressions else "bench-check: passed")
+    return 1 if regressions else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,433 @@
+"""Per-GPU memory by phase, weight-sync bytes and a step-time estimate for one layout.
+
+Memory follows what megarl's engine allocates (megarl/engine/engine.py, offload.py):
+- each trainable engine (actor, critic) is wrapped in Megatron's DDP with the distributed
+  optimizer: parameters and gradients live in one contiguous buffer per parameter group (dense,
+  expert), every parameter starting 64 elements aligned and the buffer padded to a multiple of
+  lcm(DP, 128) (megatron/core/distributed/param_and_grad_buffer.py); gradients are reduced in
+  fp32 (`grad_reduce_in_fp32=True`); Adam's two moments (fp32), plus an fp32 master copy when the
+  weights are bf16, are sharded over the data-parallel group of each parameter group (dense:
+  DP x CP; experts: expert-DP = TP x DP x CP / (EP x ETP));
+- the reference is frozen: parameters only, no buffer padding;
+- `memory/resident_gb/<phase>` (trainer) measures exactly these three kinds, so the tests compare
+  them; activations, logits and the rollout engine's memory are estimates (formulas below).
+Offload (megarl's `*_offload`): what is offloaded leaves the GPU while the rollout generates and
+comes back for the next forward/backward. `optimizer_offload="cpu"` is Megatron's CPU optimizer
+(state on host for the step too: verl's recipes), which megarl's engine does not do yet.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import asdict, dataclass, field
+
+from megarl.plan.arch import (Arch, Tensor, embedding_tensor, forward_flops_per_token, head_tensors, layer_tensors,
+                              params_active, params_mtp, params_total, stage_layers, train_flops_per_token)
+from megarl.plan.hardware import GPU
+
+GIB = 2**30
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    ep: int = 1
+    etp: int | None = None  # None = tp (Megatron's default)
+    cp: int = 1
+    rollout_tp: int = 1
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+
+@dataclass(frozen=True)
+class RunShape:
+    prompts_per_step: int = 256
+    samples_per_prompt: int = 8
+    prompt_len: int = 1024
+    response_len: int = 4096
+    max_tokens_per_microbatch: int = 8192  # per DP rank
+    ppo_epochs: int = 1
+    critic: bool = False  # GAE: a critic engine beside the actor
+    ref: bool = True  # a KL reference engine
+    recompute: str = "none"  # none | selective | full
+    param_offload: bool = False
+    grad_offload: bool = False
+    optimizer_offload: str = "none"  # none | phases (megarl) | cpu (Megatron CPU optimizer)
+    dtype: str = "bfloat16"
+    gpu_memory_fraction: float = 0.6  # the rollout engine's share of GPU memory (vLLM gpu_memory_utilization)
+    mfu: float = 0.35  # assumed for training forward/backward
+    gen_mfu: float = 0.10  # assumed for generation (decode is memory-bound)
+    overhead_gib: float = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
+    rollout_workspace_gib: float = 2.0  # the rollout engine's activations and sampler
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpus: int
+    gpus_per_node: int
+    gpu: GPU
+
+
+def check(arch: Arch, lay: Layout, cl: Cluster) -> tuple[int, int]:
+    """(dp, expert dp); ValueError with the arithmetic when the layout does not divide."""
+    mp = lay.tp * lay.pp * lay.cp
+    if cl.gpus % mp:
+        raise ValueError(f"--gpus {cl.gpus} is not divisible by tp {lay.tp} x pp {lay.pp} x cp {lay.cp} = {mp}")
+    dp = cl.gpus // mp
+    if arch.heads % lay.tp or (not arch.mla and arch.kv_heads % lay.tp):
+        raise ValueError(f"tp={lay.tp} must divide the {arch.heads} attention heads and {arch.kv_heads} key/value heads")
+    if not arch.is_moe and (lay.ep != 1 or lay.etp not in (None, lay.tp)):
+        raise ValueError(f"--ep/--etp need a mixture-of-experts model; this {arch.model_type} model is dense")
+    edp = 1
+    if arch.is_moe:
+        if arch.experts % lay.ep:
+            raise ValueError(f"{arch.experts} experts are not divisible by ep={lay.ep}")
+        width = lay.tp * dp * lay.cp
+        if width % (lay.ep * lay.expert_tp):
+            raise ValueError(f"ep {lay.ep} x etp {lay.expert_tp} must divide tp x dp x cp = {width} (Megatron carves "
+                             f"expert parallelism out of them)")
+        edp = width // (lay.ep * lay.expert_tp)
+    if cl.gpus % lay.rollout_tp:
+        raise ValueError(f"--rollout-tp {lay.rollout_tp} must divide --gpus {cl.gpus}")
+    if lay.vpp > 1 and lay.pp == 1:
+        raise ValueError("--vpp > 1 needs --pp > 1")
+    stage_layers(arch.num_layers, lay.pp, lay.first_stage_layers, lay.last_stage_layers)
+    return dp, edp
+
+
+# --- what one GPU holds ----------------------------------------------------------------------------
+@functools.lru_cache(maxsize=4096)
+def stage_tensors(arch: Arch, lay: Layout, stage: int, critic: bool = False) -> tuple[Tensor, ...]:
+    """The Megatron tensors of one pipeline stage (full sizes; `local_numel` cuts them)."""
+    stages = stage_layers(arch.num_layers, lay.pp, lay.first_stage_layers, lay.last_stage_layers)
+    out: list[Tensor] = []
+    if stage == 0:
+        out.append(embedding_tensor(arch, lay.tp))
+    for layer in stages[stage]:
+        out += layer_tensors(arch, layer)
+    if stage == lay.pp - 1:
+        head = head_tensors(arch, lay.tp, critic)
+        if arch.tie_embeddings and not critic and lay.pp == 1:
+            head = head[:1]  # the embedding is the LM head
+        out += head
+    return tuple(out)
+
+
+def local_numel(t: Tensor, lay: Layout) -> int:
+    """Elements of t on one GPU (all of its local experts for an expert tensor)."""
+    if t.split == "tp":
+        return t.numel // lay.tp
+    if t.split == "expert":
+        return t.numel // lay.expert_tp * (t.count // lay.ep)
+    return t.numel
+
+
+def _buffer_numel(tensors: list[tuple[int, int]], dp: int) -> int:
+    """Megatron DDP buffer elements for (numel, copies) params: 64-aligned starts, end padded to lcm(dp, 128)."""
+    n = sum(-(-numel // 64) * 64 * copies for numel, copies in tensors)
+    m = math.lcm(dp, 128)
+    return -(-n // m) * m
+
+
+@dataclass
+class EngineState:
+    params: float = 0.0  # bytes on one GPU
+    grads: float = 0.0
+    optimizer: float = 0.0
+
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def engine_state(arch: Arch, lay: Layout, stage: int, run: RunShape, dp: int, edp: int, role: str) -> EngineState:
+    """Bytes of one engine's parameters, gradients and optimizer state on a GPU of `stage`."""
+    pbytes = DTYPE_BYTES[run.dtype]
+    tensors = stage_tensors(arch, lay, stage, critic=(role == "critic"))
+    dense = [t for t in tensors if t.split != "expert"]
+    experts = [t for t in tensors if t.split == "expert"]
+    if role == "ref":  # frozen: plain parameters
+        return EngineState(params=sum(local_numel(t, lay) for t in tensors) * pbytes)
+    dense_dp = dp * lay.cp
+    d_buf = _buffer_numel([(local_numel(t, lay), 1) for t in dense], dense_dp)
+    e_buf = _buffer_numel([(t.numel // lay.expert_tp, t.count // lay.ep) for t in experts], edp) if experts else 0
+    # Adam moments (2 x fp32) + an fp32 master copy of bf16 weights, sharded over each group's DP.
+    opt_per_param = 8 + (4 if pbytes < 4 else 0)
+    optim = (sum(local_numel(t, lay) for t in dense) / dense_dp + sum(local_numel(t, lay) for t in experts) / edp) * opt_per_param
+    return EngineState(params=(d_buf + e_buf) * pbytes, grads=(d_buf + e_buf) * 4, optimizer=optim)
+
+
+def activation_bytes(arch: Arch, lay: Layout, stage: int, run: RunShape, critic: bool = False) -> tuple[float, float]:
+    """(activations, logits) held at the peak of a backward on a GPU of `stage`.
+
+    Per layer and token, stored for backward (bf16 elements; megarl runs without sequence
+    parallelism, so the norm inputs/outputs are whole on every TP rank): 4h replicated, plus per
+    TP rank the q/k/v and attention output and the MLP's fc1 output and activation; a routed
+    layer keeps top-k copies of each token's expert input, fc1 output and activation, spread
+    over EP ranks and split over ETP. Flash attention stores no s x s scores, so "selective"
+    (core-attention) recompute changes nothing here; "full" keeps only each layer's input, plus
+    one layer's working set during its recompute. 1F1B holds (pp - stage) micro-batches;
+    interleaving (vpp) adds (pp - 1) / (pp * vpp) of that on the first stage.
+    Logits: tokens x vocab/tp x 10 bytes (bf16 logits + fp32 log-softmax and its gradient).
+    """
+    el = DTYPE_BYTES[run.dtype]
+    h = arch.hidden
+    tokens = run.max_tokens_per_microbatch / lay.cp
+    if arch.mla:
+        attn_tp = arch.heads * (2 * arch.qk_head_dim + 2 * arch.v_head_dim)
+        attn_rep = (arch.q_lora_rank or 0) + arch.kv_lora_rank + arch.qk_rope_head_dim
+    else:
+        attn_tp = (arch.heads + 2 * arch.kv_heads) * arch.head_dim + arch.q_dim
+        attn_rep = 0
+    stages = stage_layers(arch.num_layers, lay.pp, lay.first_stage_layers, lay.last_stage_layers)
+
+    def per_token(layer: int) -> float:
+        rep = 4 * h + attn_rep
+        tp_part = attn_tp
+        if arch.is_moe_layer(layer):
+            rep += 2 * arch.experts  # fp32 router logits
+            # EP ranks exchange tokens; on average each receives top-k copies of as many tokens as it sends.
+            expert = arch.topk * (h + 3 * arch.moe_ffn) / lay.expert_tp
+            tp_part += 3 * arch.shared_experts * arch.moe_ffn
+            return rep + tp_part / lay.tp + expert
+        return rep + (tp_part + 3 * arch.ffn) / lay.tp
+
+    layers = list(stages[stage])
+    inflight = lay.pp - stage
+    if lay.vpp > 1 and stage == 0:
+        inflight *= 1 + (lay.pp - 1) / (lay.pp * lay.vpp)
+    if run.recompute == "full":
+        stored = len(layers) * h * inflight + max((per_token(i) for i in layers), default=0)
+    else:
+        stored = sum(per_token(i) for i in layers) * inflight
+    logits = 0.0
+    if stage == lay.pp - 1 and not critic:
+        logits = tokens * arch.padded_vocab(lay.tp) / lay.tp * 10
+    return stored * tokens * el, logits
+
+
+# --- the report ------------------------------------------------------------------------------------
+def plan(arch: Arch, lay: Layout, run: RunShape, cl: Cluster) -> dict:
+    """Everything the CLI prints, as a JSON-able dict (bytes as GiB, seconds)."""
+    dp, edp = check(arch, lay, cl)
+    roles = ["actor"] + (["critic"] if run.critic else []) + (["ref"] if run.ref else [])
+    cap = cl.gpu.memory_gib * GIB
+    train_rows, gen_rows, moved_rows = [], [], []
+    for s in range(lay.pp):
+        states = {r: engine_state(arch, lay, s, run, dp, edp, r) for r in roles}
+        if run.optimizer_offload == "cpu":
+            for st in states.values():
+                st.optimizer = 0.0
+        params = sum(st.params for st in states.values())
+        grads = sum(st.grads for st in states.values())
+        optim = sum(st.optimizer for st in states.values())
+        acts = [activation_bytes(arch, lay, s, run, critic=(r == "critic")) for r in roles if r != "ref"]
+        act, logits = max(acts, key=sum)
+        # During the updates every trainable engine is back on the GPU; the reference is offloaded
+        # after its forward when param_offload is set.
+        ref_away = states["ref"].params if run.ref and run.param_offload else 0.0
+        total = params - ref_away + grads + optim + act + logits + run.overhead_gib * GIB
+        train_rows.append({"stage": s, "params": params - ref_away, "grads": grads, "optimizer": optim, "activations": act,
+                           "logits": logits, "overhead": run.overhead_gib * GIB, "total": total})
+        offloaded = moved = 0.0
+        for r, st in states.items():
+            part = st.params if run.param_offload else 0.0
+            if r != "ref":
+                part += (st.grads if run.grad_offload else 0.0) + (st.optimizer if run.optimizer_offload == "phases" else 0.0)
+            offloaded += part
+            # Each engine goes out and back once a step; the actor twice, because the weight sync
+            # reads its parameters through onload(), which brings its gradients and optimizer
+            # state back too (megarl/trainer.py _actor_shards) before they leave again.
+            moved += part * (2 if r == "actor" else 1)
+        resident = params + grads + optim - offloaded
+        moved_rows.append(moved)
+        gen_rows.append({"stage": s, "training_state": resident})
+    train = max(train_rows, key=lambda r: r["total"])
+
+    # Rollout: weights in the rollout layout, the engine's budget, the KV cache left in it.
+    G = lay.rollout_tp
+    rollout_layout = Layout(tp=G, pp=1, ep=1, etp=G)
+    weights = sum(local_numel(t, rollout_layout) for t in stage_tensors(arch, rollout_layout, 0)) * 2  # bf16
+    budget = run.gpu_memory_fraction * cap
+    kv_capacity = max(0.0, budget - weights - run.rollout_workspace_gib * GIB)
+    kv_per_token = arch.kv_cache_bytes_per_token(G)
+    seq_tokens = run.prompt_len + run.response_len
+    seqs_per_instance = run.prompts_per_step * run.samples_per_prompt / (cl.gpus // G)
+    kv_needed = seqs_per_instance * seq_tokens * kv_per_token
+    resident = max(r["training_state"] for r in gen_rows)
+    gen_total = resident + budget + run.overhead_gib * GIB
+    gen = {"training_state": resident, "rollout_weights": weights, "rollout_budget": budget, "kv_cache": kv_capacity,
+           "kv_cache_needed_for_whole_batch": kv_needed, "overhead": run.overhead_gib * GIB, "total": gen_total}
+    fits_gen = gen_total <= cap and kv_capacity >= seq_tokens * kv_per_token
+    fits_train = train["total"] <= cap
+
+    problems = []
+    if not fits_train:
+        parts = ", ".join(f"{k} {train[k] / GIB:.1f}" for k in ("params", "grads", "optimizer", "activations", "logits", "overhead"))
+        problems.append(f"training: {train['total'] / GIB:.1f} GiB per GPU > {cl.gpu.memory_gib:g} GiB on {cl.gpu.name} "
+                        f"(pipeline stage {train['stage']}: {parts} GiB)")
+    if gen_total > cap:
+        problems.append(f"rollout: {gen_total / GIB:.1f} GiB per GPU > {cl.gpu.memory_gib:g} GiB (training state left on the GPU "
+                        f"{resident / GIB:.1f} + rollout budget {run.gpu_memory_fraction:g} x {cl.gpu.memory_gib:g} = "
+                        f"{budget / GIB:.1f} + overhead {run.overhead_gib:g} GiB); offload more or lower --gpu-memory-fraction")
+    if kv_capacity < seq_tokens * kv_per_token:
+        problems.append(f"rollout: the KV cache left ({kv_capacity / GIB:.2f} GiB = budget {budget / GIB:.1f} - weights "
+                        f"{weights / GIB:.1f} - workspace {run.rollout_workspace_gib:g} GiB) cannot hold one "
+                        f"{seq_tokens}-token sequence ({seq_tokens * kv_per_token / GIB:.2f} GiB); raise --rollout-tp")
+
+    sync = sync_bytes(arch, lay, cl.gpus, dp)
+    link = "nvlink" if cl.gpus <= cl.gpus_per_node or (lay.pp == 1 and max(lay.tp, G) <= cl.gpus_per_node) else "ib"
+    bw = (cl.gpu.nvlink_gb_s if link == "nvlink" else cl.gpu.ib_gb_s) * 1e9
+    hf = sync["hybridflow_bytes_per_gpu"]
+    sync.update(link=link, seconds=sync["megarl_bytes_per_gpu"] / bw, hybridflow_seconds=None if hf is None else hf / bw)
+    times = step_time(arch, run, cl, sync["seconds"], lay, dp)
+
+    def gib(d: dict) -> dict:
+        return {k: (round(v / GIB, 6) if isinstance(v, (int, float)) and k != "stage" else v) for k, v in d.items()}
+
+    return {
+        "fits": fits_train and fits_gen,
+        "params_total": params_total(arch),
+        "params_active": params_active(arch),
+        "params_mtp_not_trained": params_mtp(arch),
+        "problems": problems,
+        "model": asdict(arch),
+        "cluster": {"gpus": cl.gpus, "gpus_per_node": cl.gpus_per_node, **asdict(cl.gpu)},
+        "layout": {**asdict(lay), "dp": dp, "expert_dp": edp},
+        "run": asdict(run),
+        "memory_gib": {
+            "training": {**gib(train), "fits": fits_train, "per_stage_total": [round(r["total"] / GIB, 6) for r in train_rows]},
+            "rollout": {**gib(gen), "fits": fits_gen, "kv_cache_tokens": int(kv_capacity // kv_per_token),
+                        "generation_waves": math.ceil(kv_needed / kv_capacity) if kv_capacity else None},
+            "offload": {"to_host_and_back_per_step": round(max(moved_rows) / GIB, 6),
+                        "host_optimizer_state": round(sum(engine_state(arch, lay, 0, run, dp, edp, r).optimizer for r in roles if r != "ref") / GIB, 3)
+                        if run.optimizer_offload == "cpu" else 0.0},
+        },
+        "sync": sync,
+        "step_time_s": times,
+    }
+
+
+def _overlap(t: int, j: int, G: int, q: int) -> float:
+    """Fraction of a tensor both in training shard j of t and rollout shard q of G."""
+    lo, hi = max(j / t, q / G), min((j + 1) / t, (q + 1) / G)
+    return max(0.0, hi - lo)
+
+
+def sync_bytes(arch: Arch, lay: Layout, gpus: int, dp: int, dtype_bytes: int = 2) -> dict:
+    """Weight-sync bytes received per GPU (the max over GPUs).
+
+    megarl (megarl/hybrid/plan.py) moves to each rank exactly its rollout shard minus what its
+    training shard already holds; HybridFlow's bound is (t*p - t_g) / (t_g*t*p) * M; the naive
+    path (verl's per-tensor all-gather) gathers every full tensor on every rank (dense models).
+    """
+    from megarl.hybrid.layout import RolloutLayout, TrainLayout, assign_rollout, hybridflow_bytes_per_rank
+
+    G = lay.rollout_tp
+    train = TrainLayout(tp=lay.tp, pp=lay.pp, dp=dp * lay.cp)
+    q_of = assign_rollout(train, RolloutLayout(G)).rollout_tp_rank
+    per_stage = []
+    for s in range(lay.pp):
+        ts = stage_tensors(arch, lay, s)
+        per_stage.append({k: sum(t.numel * t.count for t in ts if t.split == k) for k in ("tp", "rep", "expert")})
+    whole = {k: sum(p[k] for p in per_stage) for k in ("tp", "rep", "expert")}
+    need = whole["tp"] / G + whole["rep"] + whole["expert"] / G
+    model_bytes = sum(whole.values()) * dtype_bytes
+    width = lay.tp * dp * lay.cp
+    best = naive = 0.0
+    for r in range(gpus):
+        c = train.coords(r)
+        mine = per_stage[c.pp]
+        i = r % width
+        held = mine["tp"] * _overlap(lay.tp, c.tp, G, q_of[r]) + mine["rep"]
+        held += mine["expert"] / lay.ep * _overlap(lay.expert_tp, i % lay.expert_tp, G, q_of[r])
+        best = max(best, need - held)
+        other = {k: whole[k] - mine[k] for k in whole}
+        naive = max(naive, (other["tp"] / lay.tp + other["rep"] if lay.pp > 1 else 0) + whole["tp"] * (lay.tp - 1) / lay.tp)
+    return {"megarl_bytes_per_gpu": best * dtype_bytes,
+            # HybridFlow's formula assumes each rollout shard contains a training shard (t_g <= t*p)
+            "hybridflow_bytes_per_gpu": hybridflow_bytes_per_rank(model_bytes, train, G) if G <= lay.tp * lay.pp else None,
+            "naive_bytes_per_gpu": None if arch.is_moe else naive * dtype_bytes,
+            "model_bytes": model_bytes}
+
+
+def step_time(arch: Arch, run: RunShape, cl: Cluster, sync_seconds: float, lay: Layout | None = None, dp: int = 1) -> dict:
+    """Seconds per PPO step by phase: FLOPs / (GPUs x peak x assumed MFU); the training-side
+    phases also wait for the pipeline bubble, (pp - 1) / (vpp x micro-batches per DP rank)."""
+    P, R = run.prompt_len, run.response_len
+    seqs = run.prompts_per_step * run.samples_per_prompt
+    tokens = seqs * (P + R)
+    lay = lay or Layout()
+    micro_batches = max(1, math.ceil(tokens / (dp * lay.cp) / run.max_tokens_per_microbatch))
+    bubble = 1 + (lay.pp - 1) / (lay.vpp * micro_batches)
+    peak = cl.gpus * cl.gpu.bf16_tflops * 1e12 / bubble  # the gen phase below undoes it
+
+    def fwd(critic=False):
+        return tokens * forward_flops_per_token(arch, (P + R) / 2, critic)
+
+    gen = seqs * (P * forward_flops_per_token(arch, P / 2) + R * forward_flops_per_token(arch, P + R / 2))
+    out = {"sync": sync_seconds, "gen": gen / (peak * bubble * run.gen_mfu), "old_log_prob": fwd() / (peak * run.mfu)}
+    if run.ref:
+        out["ref"] = fwd() / (peak * run.mfu)
+    if run.critic:
+        out["values"] = fwd(True) / (peak * run.mfu)
+        out["update_critic"] = run.ppo_epochs * tokens * train_flops_per_token(arch, P + R, run.recompute, True) / (peak * run.mfu)
+    out["update_actor"] = run.ppo_epochs * tokens * train_flops_per_token(arch, P + R, run.recompute) / (peak * run.mfu)
+    total = sum(out.values())
+    return {**{k: round(v, 3) for k, v in out.items()}, "total": round(total, 3), "sync_share": round(sync_seconds / total, 4),
+            "assumed_mfu": run.mfu, "assumed_gen_mfu": run.gen_mfu, "pipeline_bubble": round(bubble - 1, 4)}
+
+
+def balanced_split(num_layers: int, pp: int) -> tuple[int | None, int | None] | None:
+    """(first, last) stage layers for pp stages (None = as many as a middle stage): the split with
+    the fewest layers on the busiest stage; None when no split exists."""
+    if num_layers % pp == 0:
+        return None, None
+    best = None
+    options = [None, *range(1, -(-num_layers // pp) + 1)]
+    for f in options:
+        for last in options:
+            try:
+                sizes = [len(r) for r in stage_layers(num_layers, pp, f, last)]
+            except ValueError:
+                continue
+            key = (max(sizes), sizes[0] + sizes[-1])  # then lighter end stages (they hold embedding and head)
+            if best is None or key < best[0]:
+                best = (key, (f, last))
+    return None if best is None else best[1]
+
+
+def search(arch: Arch, run: RunShape, cl: Cluster, top: int = 5, base: Layout | None = None) -> list[dict]:
+    """Layouts that fit, fastest estimated step first: tp (powers of 2 within a node), pp up to
+    32 (uneven end stages when the layers do not divide), ep (MoE, etp 1), rollout tp (powers of
+    2 up to 64); cp stays as given."""
+    base = base or Layout()
+    found = []
+    pow2 = [2**i for i in range(12)]
+    for tp in [t for t in pow2 if t <= cl.gpus_per_node]:
+        for pp in range(1, min(arch.num_layers, 32) + 1):
+            split = balanced_split(arch.num_layers, pp)
+            if split is None or cl.gpus % (tp * pp * base.cp):
+                continue
+            dp = cl.gpus // (tp * pp * base.cp)
+            eps = [e for e in range(1, arch.experts + 1) if arch.experts % e == 0 and (tp * dp * base.cp) % e == 0] if arch.is_moe else [1]
+            for ep in eps:
+                for G in [g for g in pow2 if g <= min(cl.gpus, 64) and cl.gpus % g == 0 and arch.heads % g == 0]:
+                    lay = Layout(tp=tp, pp=pp, first_stage_layers=split[0], last_stage_layers=split[1], ep=ep,
+                                 etp=1 if arch.is_moe else None, cp=base.cp, rollout_tp=G)
+                    try:
+                        p = plan(arch, lay, run, cl)
+                    except ValueError:
+                        continue
+                    if p["fits"]:
+                        found.append({"layout": {k: v for k, v in p["layout"].items() if v is not None},
+                                      "step_time_s": p["step_time_s"]["total"], "sync_share": p["step_time_s"]["sync_share"],
+                                      "training_gib": p["memory_gib"]["training"]["total"], "rollout_gib": p["memory_gib"]["rollout"]["total"]})
+    found.sort(key=lambda f: (f["step_time_s"], f["training_gib"]))
+    return found[:top]

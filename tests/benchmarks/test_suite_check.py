@@ -1,0 +1,69 @@
+"""The bench-check verdict on hand-made results (no timing here: the suite's figures are fixed)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+from conftest import REPO
+
+spec = importlib.util.spec_from_file_location("suite", REPO / "benchmarks" / "suite.py")
+suite = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(suite)
+
+BASELINE = {"machine_kind": "cpu-2", "metrics": {
+    "ppo/update_actor": {"value": 10.0, "gate": True},
+    "ppo/update_critic": {"value": 9.0, "gate": True},
+    "ppo/adv": {"value": 0.01, "gate": False},
+    "sync/megarl_over_naive": {"value": 0.6, "gate": True},
+    "_calibration_cpu_s": {"value": 0.05, "gate": False}}}
+
+
+def _with(**values) -> dict:
+    metrics = {k: dict(v) for k, v in BASELINE["metrics"].items()}
+    for k, v in values.items():
+        metrics[k.replace("__", "/")]["value"] = v
+    return {"machine_kind": "cpu-2", "metrics": metrics}
+
+
+def test_unchanged_and_noise_pass():
+    _, regressions = suite.compare(_with(ppo__update_actor=11.0, ppo__adv=0.05), BASELINE, tolerance=0.15)
+    assert regressions == []  # 10% noise passes; an ungated phase may move freely
+
+
+def test_a_20_percent_slower_phase_is_named():
+    lines, regressions = suite.compare(_with(ppo__update_actor=12.0), BASELINE, tolerance=0.15)
+    assert len(regressions) == 1 and regressions[0].startswith("PPO phase 'update_actor': 1.20x its baseline")
+    assert any(line.strip().startswith("REGRESSION") and "ppo/update_actor" in line for line in lines)
+
+
+def test_a_missing_figure_fails():
+    current = _with()
+    del current["metrics"]["sync/megarl_over_naive"]
+    _, regressions = suite.compare(current, BASELINE, tolerance=0.15)
+    assert regressions == ["sync/megarl_over_naive: measured in the baseline, missing now"]
+
+
+def test_check_cli_exit_codes(tmp_path):
+    base, now = tmp_path / "base.json", tmp_path / "now.json"
+    base.write_text(json.dumps(BASELINE))
+    now.write_text(json.dumps(_with(sync__megarl_over_naive=0.9)))
+
+    def check(*extra):
+        return subprocess.run([sys.executable, "benchmarks/suite.py", "check", "--results", str(now), *extra], cwd=REPO,
+                              capture_output=True, text=True)
+
+    proc = check("--baseline", str(base))
+    assert proc.returncode == 1 and "REGRESSION: sync/megarl_over_naive: 1.50x" in proc.stdout
+    now.write_text(json.dumps({**_with(), "machine_kind": "no-such-machine"}))
+    proc = check()
+    assert proc.returncode == 2 and "no baseline for machine kind 'no-such-machine'" in proc.stderr
+
+
+def test_a_figure_may_carry_its_own_tolerance():
+    base = {"machine_kind": "cpu-2", "metrics": {"sync/megarl_over_naive": {"value": 0.6, "gate": True, "tolerance": 0.30}}}
+    now = {"machine_kind": "cpu-2", "metrics": {"sync/megarl_over_naive": {"value": 0.75, "gate": True}}}
+    assert suite.compare(now, base, tolerance=0.15)[1] == []  # 1.25x: inside its 30%
+    now["metrics"]["sync/megarl_over_naive"]["value"] = 0.8
+    assert suite.compare(now, base, tolerance=0.15)[1][0].startswith("sync/megarl_over_naive: 1.33x")

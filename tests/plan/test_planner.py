@@ -1,0 +1,180 @@
+"""The planner's arithmetic on public configs: parameter counts against published totals, the
+published DeepSeek-V3 layouts fit and an impossible one does not (naming the phase and the
+numbers), the shipped configs fit their stated cluster, FLOPs by hand, the CLI's interface."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from hf_configs import DEEPSEEK_V3, GLM45, PUBLISHED_PARAMS, QWEN25_05B, QWEN25_7B, write
+from megarl.plan import Cluster, GPUS, Layout, RunShape, arch_from_config, plan, search, train_flops_per_token
+from megarl.plan.arch import forward_flops_per_token, params_mtp, params_total, stage_layers
+from megarl.plan.from_config import load_run_config, planner_inputs
+
+
+@pytest.mark.parametrize("name", PUBLISHED_PARAMS)
+def test_params_total_matches_published(name):
+    cfg, published = PUBLISHED_PARAMS[name]
+    assert params_total(arch_from_config(cfg)) == pytest.approx(published, rel=0.01)
+
+
+def test_deepseek_v3_mtp_and_active_params():
+    arch = arch_from_config(DEEPSEEK_V3)
+    # Tech report: 671B main model + 14B MTP module, whose embedding and head (2 x 0.93B) are the
+    # main model's; 37B activated per token.
+    shared_embedding_and_head = 2 * 129280 * 7168
+    assert params_mtp(arch) + shared_embedding_and_head == pytest.approx(14e9, rel=0.05)
+    from megarl.plan.arch import params_active
+    assert params_active(arch) == pytest.approx(37e9, rel=0.03)
+    no_q_lora = arch_from_config({**DEEPSEEK_V3, "q_lora_rank": None})  # DeepSeek-V2-Lite style: a plain q projection
+    assert params_total(no_q_lora) - params_total(arch) == 61 * (7168 * 128 * 192 - 7168 * 1536 - 1536 - 1536 * 128 * 192)
+
+
+def test_hand_worked_flops():
+    # llama, h=8, 1 layer, 2 heads of 4, 1 kv head, ffn 16, vocab 10 (the embedding lookup is free).
+    arch = arch_from_config({"model_type": "llama", "hidden_size": 8, "intermediate_size": 16,
+                             "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 10})
+    # matmul weights per token: qkv (2+2)*4*8 = 128; proj 64; fc1 256; fc2 128; head 80 -> 656 weights.
+    # attention at context c: 2 * c * heads 2 * (4 + 4) = 32c.
+    assert forward_flops_per_token(arch, 3.0) == 2 * 656 + 32 * 3
+    assert train_flops_per_token(arch, 6) == 3 * (2 * 656 + 32 * 3)
+    assert train_flops_per_token(arch, 6, recompute="full") == 4 * (2 * 656 + 32 * 3)
+
+
+def test_uneven_stages():
+    from megarl.plan.estimate import balanced_split
+
+    assert [len(r) for r in stage_layers(61, 16, 3, 2)] == [3] + [4] * 14 + [2]
+    assert [len(r) for r in stage_layers(61, 12, None, 6)] == [5] * 11 + [6]
+    with pytest.raises(ValueError, match="61 layers do not split over pp=16"):
+        stage_layers(61, 16)
+    # The search's split: the busiest stage as light as possible, then the lightest end stages.
+    assert balanced_split(24, 4) == (None, None)
+    assert [len(r) for r in stage_layers(61, 16, *balanced_split(61, 16))] == [4] * 15 + [1]
+    assert max(len(r) for r in stage_layers(61, 12, *balanced_split(61, 12))) == 6
+
+
+NEMO_RL = dict(  # NeMo-RL examples/configs/recipes/llm/performance/grpo-deepseek-v3-32n8g.yaml
+    layout=Layout(tp=1, pp=16, ep=16, first_stage_layers=3, last_stage_layers=2, rollout_tp=32),
+    # activation_checkpointing: true; 32 prompts x 16 generations; max_total_sequence_length 1536;
+    # train_micro_batch_size 1; vLLM gpu_memory_utilization 0.6 (grpo_math_1B defaults); the
+    # policy is moved off the GPU for colocated generation (NeMo-RL offloads it before refit).
+    run=RunShape(prompts_per_step=32, samples_per_prompt=16, prompt_len=512, response_len=1024, max_tokens_per_microbatch=1536,
+                 recompute="full", param_offload=True, grad_offload=True, optimizer_offload="phases", gpu_memory_fraction=0.6),
+    cluster=Cluster(256, 8, GPUS["h100-80gb"]))
+VERL = dict(  # verl examples/grpo_trainer/run_deepseek671b_math_megatron_96gb.sh
+    layout=Layout(tp=8, pp=12, ep=8, etp=1, last_stage_layers=6, rollout_tp=32),
+    # offload=True (param, grad), optimizer_cpu_offload=True with optimizer_offload_fraction=1,
+    # ref param_offload, recompute full, gen_tp 32, gpu_memory_utilization 0.6, prompt 2048,
+    # response 1204 * 8, ppo_max_token_len_per_gpu = prompt + response, 96 prompts x 8.
+    run=RunShape(prompts_per_step=96, samples_per_prompt=8, prompt_len=2048, response_len=9632, max_tokens_per_microbatch=11680,
+                 recompute="full", param_offload=True, grad_offload=True, optimizer_offload="cpu", gpu_memory_fraction=0.6),
+    cluster=Cluster(96, 8, GPUS["h20-96gb"]))
+
+
+@pytest.mark.parametrize("recipe", [NEMO_RL, VERL], ids=["nemo-rl-256xh100", "verl-96xh20"])
+def test_deepseek_v3_published_layouts_fit(recipe):
+    report = plan(arch_from_config(DEEPSEEK_V3), recipe["layout"], recipe["run"], recipe["cluster"])
+    assert report["fits"], report["problems"]
+    assert report["problems"] == []
+    mem = report["memory_gib"]
+    assert mem["training"]["total"] <= recipe["cluster"].gpu.memory_gib
+    # Everything is offloaded for the rollout, which then holds 1/32 of the bf16 model, plus whole
+    # copies of what TP replicates: MLA's q/kv down-projections and the routers.
+    assert mem["rollout"]["training_state"] == 0
+    replicated = 61 * 7168 * (1536 + 576) + 58 * 256 * 7168
+    expected = (671e9 - replicated) * 2 / 32 + replicated * 2
+    assert mem["rollout"]["rollout_weights"] == pytest.approx(expected / 2**30, rel=0.01)
+
+
+def test_deepseek_v3_without_offload_does_not_fit_the_verl_cluster():
+    run = VERL["run"].__class__(**{**VERL["run"].__dict__, "optimizer_offload": "none"})
+    report = plan(arch_from_config(DEEPSEEK_V3), VERL["layout"], run, VERL["cluster"])
+    assert not report["fits"] and report["problems"][0].startswith("training:")
+
+
+def test_deepseek_v3_on_eight_gpus_does_not_fit(tmp_path):
+    model = write(DEEPSEEK_V3, tmp_path / "dsv3")
+    out = tmp_path / "plan.json"
+    proc = subprocess.run([sys.executable, "-m", "megarl.tools.plan", "--model", str(model), "--gpus", "8", "--gpus-per-node", "8",
+                           "--gpu", "h100-80gb", "--tp", "8", "--json", str(out)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["fits"] is False and report["params_total"] == params_total(arch_from_config(DEEPSEEK_V3))
+    training = report["memory_gib"]["training"]
+    # 671B bf16 weights over 8 GPUs: 156 GiB of actor parameters per GPU before anything else.
+    assert training["params"] > 2 * 150 and training["fits"] is False
+    assert "training: " in proc.stdout and "> 80 GiB on h100-80gb" in proc.stdout and "params 31" in proc.stdout
+    assert "DOES NOT FIT" in proc.stdout
+
+
+def test_glm45_sizes_and_fits_on_a_large_cluster():
+    arch = arch_from_config(GLM45)
+    lay = Layout(tp=4, pp=8, ep=16, etp=1, first_stage_layers=8, last_stage_layers=12, rollout_tp=16)
+    report = plan(arch, lay, RunShape(recompute="full", param_offload=True, grad_offload=True, optimizer_offload="phases"),
+                  Cluster(256, 8, GPUS["h100-80gb"]))
+    assert report["fits"], report["problems"]
+
+
+def test_search_finds_deepseek_v3_layouts_on_256_h100():
+    run = NEMO_RL["run"]
+    found = search(arch_from_config(DEEPSEEK_V3), run, NEMO_RL["cluster"], top=3)
+    assert found, "the published NeMo-RL layout fits, so the search must find at least one"
+    assert all(f["training_gib"] <= 80 and f["rollout_gib"] <= 80 for f in found)
+
+
+def test_search_ranks_fitting_layouts_for_qwen25_7b():
+    found = search(arch_from_config(QWEN25_7B), RunShape(prompt_len=512, response_len=1024, max_tokens_per_microbatch=4096),
+                   Cluster(8, 8, GPUS["h100-80gb"]))
+    assert found and all(f["training_gib"] <= 80 and f["rollout_gib"] <= 80 for f in found)
+    assert [f["step_time_s"] for f in found] == sorted(f["step_time_s"] for f in found)
+
+
+# Shipped configs and the cluster their headers state.
+SHIPPED = {"qwen2.5-0.5b-gsm8k.yaml": (QWEN25_05B, Cluster(1, 1, GPUS["h100-80gb"]))}
+
+
+def test_shipped_configs_fit_their_stated_cluster(tmp_path):
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        if path.name == "tiny_cpu.yaml" or path.name.startswith("tiny_"):
+            continue  # CPU demos: sized by tests/plan/test_planner_vs_measured.py against measurement
+        assert path.name in SHIPPED, f"{path.name}: add its model config and stated cluster to SHIPPED"
+        hf, cluster = SHIPPED[path.name]
+        _, lay, run = planner_inputs(load_run_config(path))
+        report = plan(arch_from_config(hf), lay, run, cluster)
+        assert report["fits"], (path.name, report["problems"])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gpus", "12", "--tp", "3"], "tp=3 must divide the 28 attention heads"),
+    (["--gpus", "6", "--tp", "4"], "--gpus 6 is not divisible by tp 4"),
+    (["--gpus", "8", "--gpu", "tpu-v9"], "--gpu 'tpu-v9' is not in the GPU table"),
+    (["--gpus", "8", "--ep", "2"], "--ep/--etp need a mixture-of-experts model"),
+    (["--gpus", "0"], "--gpus must be at least 1"),
+])
+def test_bad_input_exits_2_with_one_clear_line(tmp_path, argv, message):
+    model = write(QWEN25_7B, tmp_path / "q7")
+    proc = subprocess.run([sys.executable, "-m", "megarl.tools.plan", "--model", str(model), *argv], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 2 and message in proc.stderr and proc.stderr.count("error:") == 1, proc.stderr
+
+
+def test_missing_config_exits_2(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "megarl.tools.plan", "--model", str(tmp_path), "--gpus", "8"], cwd=REPO,
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "no config.json there" in proc.stderr
+
+
+def test_gpu_table_extends(tmp_path):
+    table = tmp_path / "gpus.json"
+    table.write_text(json.dumps({"mi300x-192gb": {"memory_gib": 192, "bf16_tflops": 1307, "nvlink_gb_s": 448, "ib_gb_s": 50}}))
+    model = write(QWEN25_7B, tmp_path / "q7")
+    out = tmp_path / "p.json"
+    proc = subprocess.run([sys.executable, "-m", "megarl.tools.plan", "--model", str(model), "--gpus", "8", "--gpu", "mi300x-192gb",
+                           "--gpu-table", str(table), "--search", "--json", str(out)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["fits"] is True and report["cluster"]["memory_gib"] == 192 and report["search"]
