@@ -78,10 +78,10 @@ def install() -> None:
     def ppo_step(self):
         before = calibration_cpu_seconds()
         cpu.clear()
-        metrics = step(self)
-        metrics.update({f"bench/cpu_s/{k}": v for k, v in cpu.items()})
-        metrics["bench/calibration_cpu_s"] = (before + calibration_cpu_seconds()) / 2
-        return metrics
+        result = step(self)  # StepResult(metrics, events)
+        result.metrics.update({f"bench/cpu_s/{k}": v for k, v in cpu.items()})
+        result.metrics["bench/calibration_cpu_s"] = (before + calibration_cpu_seconds()) / 2
+        return result
 
     trainer_module.Trainer.ppo_step = ppo_step
 
