@@ -39,15 +39,15 @@ from megarl.engine.batch import SequenceBatch
 from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
 from megarl.global_batch import GlobalBatch
 from megarl.guards import Guards
-from megarl.hybrid.dispatch import DispatchGroups, consecutive_rollout_group, generate_for_training
+from megarl.hybrid.dispatch import DispatchGroups, generate_for_training
 from megarl.hybrid.engine import HybridEngine
-from megarl.hybrid.layout import RolloutLayout, TrainLayout
+from megarl.hybrid.layout import TrainLayout
 from megarl.hybrid.verify import compare_logprobs, token_prob_diff
 from megarl.models.convert import to_hf, weight_mappings
 from megarl.parallel import ParallelDims, all_reduce_host
 from megarl.rewards import build_reward_fn
 from megarl.rewards.model import RewardModel
-from megarl.rollout import build_rollout_engine
+from megarl.rollout import build_rollout
 from megarl.rollout.base import RolloutRequest, SamplingParams
 from megarl.samples import RolloutBatch, Sample, to_rollout_batch
 from megarl.step_metrics import local_stats, step_metrics
@@ -111,23 +111,21 @@ class Trainer:
                         if kl_cfg.type == "adaptive" else A.FixedKLController(kl_cfg.kl_coef, max_kl_coef=kl_cfg.max_coef))
 
         # --- rollout construction: the inference engine, the 3D-HybridEngine that feeds it the
-        # actor's weights, the dispatch groups, the sampling parameters --------------------------
+        # actor's weights, the dispatch groups, the sampling parameters. The builder says which
+        # weight layout the engine's load_weights accepts (full HF tensors for every engine today:
+        # convert below then always sees full tensors) and owns each backend's options. ------------
         r = cfg.rollout
-        group, group_ranks, group_rank = consecutive_rollout_group(r.tp)
-        engine_options = {
-            "hf": {},
-            "vllm": {"gpu_memory_utilization": r.gpu_memory_utilization, "max_model_len": cfg.data.max_prompt_tokens + r.max_new_tokens},
-            "sglang": {"mem_fraction_static": r.gpu_memory_utilization},
-        }[r.engine]
-        self.rollout = build_rollout_engine(r.engine, cfg.model.path, tp=r.tp, seed=t.seed,
-                                            device=str(self.actor.device), dtype=self.actor.module.config.params_dtype,
-                                            group=group, group_ranks=group_ranks, **engine_options)
+        groups = dims.rollout_groups(r.tp)
+        setup = build_rollout(r.engine, cfg.model.path, groups, seed=t.seed, device=str(self.actor.device),
+                              dtype=self.actor.module.config.params_dtype, memory_fraction=r.gpu_memory_utilization,
+                              max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens)
+        self.rollout = setup.engine
         mappings = {m.name: m for m in weight_mappings(self.actor.spec, dims.tp)}
         convert = lambda name, full: to_hf(mappings[name], full)  # noqa: E731
         self.hybrid = HybridEngine(self._actor_shards(), train=TrainLayout(tp=dims.tp, pp=dims.pp, dp=dims.dp, ep=dims.ep),
-                                   rollout=RolloutLayout(tp=r.tp), bucket_bytes=r.bucket_bytes, convert=convert)
+                                   rollout=setup.weight_layout, bucket_bytes=r.bucket_bytes, convert=convert)
         self.dispatch = DispatchGroups(mp_group=dims.mp_group, mp_rank=dist.get_rank(dims.mp_group), mp_size=dist.get_world_size(dims.mp_group),
-                                       rollout_group=group, rollout_rank=group_rank, rollout_size=r.tp)
+                                       rollout_group=groups.group, rollout_rank=groups.rank, rollout_size=groups.size)
         stop = tuple(r.stop_token_ids) + ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
         self.sampling = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
                                        top_k=max(r.top_k, 0), max_new_tokens=r.max_new_tokens, stop_token_ids=stop, seed=t.seed)

@@ -1,0 +1,63 @@
+"""Tiny models vLLM's CPU attention accepts (head_dim 32: hidden 128, 4 heads) and transformers
+references for them."""
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import torch
+
+# hidden 128 / 4 heads = head_dim 32; the CPU kernel takes 32, 64, 80, ... (make_tiny_model's
+# default head_dim 16 is refused: "Unsupported CPU attention configuration").
+VLLM_TINY = dict(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, vocab_size=301, max_positions=256)
+
+
+def make_vllm_model(out: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    from megarl.tools.make_tiny_model import make_tiny_model
+
+    if not (out / "config.json").exists():
+        make_tiny_model(arch, out, seed=seed, **{**VLLM_TINY, "tie": arch == "llama", **overrides})
+    return out
+
+
+def perturbed_state(model_dir: Path, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors plus seeded noise per tensor: weights the engine has never seen."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    state = {}
+    for name, t in model.state_dict().items():
+        g = torch.Generator().manual_seed(seed * 1000003 + zlib.crc32(name.encode()))
+        state[name] = (t + scale * torch.randn(t.shape, generator=g)).contiguous()
+    return state
+
+
+def transformers_model(model_dir: Path, state: dict[str, torch.Tensor] | None = None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if state is not None:
+        model.load_state_dict(state, strict=False)
+        if getattr(model.config, "tie_word_embeddings", False):
+            model.tie_weights()
+    return model
+
+
+@torch.no_grad()
+def greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    seq = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None,
+                         pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return seq[0, len(prompt):].tolist()
+
+
+@torch.no_grad()
+def teacher_forced_logprobs(model, prompt: list[int], response: list[int], temperature: float = 0.0, top_k: int = 0,
+                            top_p: float = 1.0) -> list[float]:
+    """Per response token, its log-prob under the processed distribution (megarl's definition:
+    temperature, top-k and top-p applied and renormalised; greedy = plain log-softmax)."""
+    from megarl.rollout.sampling import process_logits
+
+    ids = torch.tensor([prompt + response])
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+    processed, _ = process_logits(logits, temperature, top_k, top_p)
+    return processed.gather(-1, torch.tensor(response)[:, None]).squeeze(-1).tolist()
