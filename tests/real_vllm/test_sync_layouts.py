@@ -22,7 +22,7 @@ def test_resync_from_every_train_layout_matches_transformers(tmp_path, rollout_t
     model = make_vllm_model(tmp_path / "llama")
     out = tmp_path / "results.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "tests/vllm/sync_worker.py", "--model", str(model), "--rollout-tp", str(rollout_tp),
+           "tests/real_vllm/sync_worker.py", "--model", str(model), "--rollout-tp", str(rollout_tp),
            "--layouts", *LAYOUTS, "--out", str(out), "--tmp", str(tmp_path)]
     repo = Path(__file__).resolve().parents[2]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
@@ -33,7 +33,8 @@ def test_resync_from_every_train_layout_matches_transformers(tmp_path, rollout_t
     assert [(r["tp"], r["pp"]) for r in results] == [(2, 1), (1, 2), (1, 1)]
     for r in results:
         where = f"train tp{r['tp']} pp{r['pp']} dp{r['dp']} -> rollout tp{rollout_tp}"
-        assert r["sync_bytes"] > 0
+        # a rank receives what it does not hold: nothing when it trains a whole replica (dp2)
+        assert (r["sync_bytes"] > 0) == (r["tp"] * r["pp"] > 1), where
         assert r["rollout_group"] == ([0, 1] if rollout_tp == 2 else [0])  # rank 0's engine instance
         ref = transformers_model(Path(r["export"]))
         want = [greedy(ref, p, 8) for p in _prompts()]

@@ -29,6 +29,8 @@ def perturbed_state(model_dir: Path, seed: int, scale: float = 0.05) -> dict[str
     for name, t in model.state_dict().items():
         g = torch.Generator().manual_seed(seed * 1000003 + zlib.crc32(name.encode()))
         state[name] = (t + scale * torch.randn(t.shape, generator=g)).contiguous()
+    if getattr(model.config, "tie_word_embeddings", False):  # one tensor, as in the model
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state
 
 
