@@ -142,6 +142,19 @@ def test_eos_semantics_equal_the_hf_engine(setup, model_dir):
     assert got.finish_reason == "stop" and len(got.response_token_ids) == 3  # stopped at the EOS, kept it
 
 
+def test_float32_sync_check_passes_correct_weights_and_catches_a_scaled_layer(setup, model_dir):
+    from megarl.hybrid.verify import WeightSyncMismatch, check_sync
+    from vllm_models import sampled_batch_gap
+
+    state = perturbed_state(model_dir, 6)
+    actor = transformers_model(model_dir, state)
+    check_sync(*sampled_batch_gap(setup.engine, actor, state), "float32")
+    corrupted = dict(state)
+    corrupted["model.layers.1.mlp.down_proj.weight"] = state["model.layers.1.mlp.down_proj.weight"] * 1.5
+    with pytest.raises(WeightSyncMismatch, match="float32"):
+        check_sync(*sampled_batch_gap(setup.engine, actor, corrupted), "float32")
+
+
 def test_close_keeps_the_trainers_process_group(setup):
     """Last in the module: vLLM's own shutdown ends with destroy_process_group()."""
     setup.engine.close()

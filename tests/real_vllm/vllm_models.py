@@ -63,3 +63,24 @@ def teacher_forced_logprobs(model, prompt: list[int], response: list[int], tempe
     logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
     processed, _ = process_logits(logits, temperature, top_k, top_p)
     return processed.gather(-1, torch.tensor(response)[:, None]).squeeze(-1).tolist()
+
+
+def sampled_batch_gap(engine, actor, state):
+    """Sample 64 responses (temperature 1) with the engine holding `state`; return the engine's and
+    the actor's log-probs of them, padded, with the mask."""
+    from megarl.rollout.base import RolloutRequest, SamplingParams, pad_results
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 300, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist() for _ in range(32)]
+    engine.load_weights(iter(state.items()))
+    engine.resume_memory()
+    results = engine.generate([RolloutRequest(tuple(p), i) for i, p in enumerate(prompts)],
+                              SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=5))
+    batch = pad_results(results)
+    actor_lp = torch.zeros_like(batch.logprobs)
+    with torch.no_grad():
+        for i, r in enumerate(results):
+            p, resp = prompts[r.prompt_index], r.response_token_ids
+            logits = actor(input_ids=torch.tensor([p + resp])).logits[0, len(p) - 1:-1].float()
+            actor_lp[i, :len(resp)] = torch.log_softmax(logits, -1).gather(-1, torch.tensor(resp)[:, None]).squeeze(-1)
+    return batch.logprobs, actor_lp, batch.mask
