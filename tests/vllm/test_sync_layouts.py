@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from vllm_models import greedy, make_vllm_model, teacher_forced_logprobs, transformers_model
 
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
 LAYOUTS = ["2,1", "1,2", "1,1"]  # train tp2, pp2, dp2 (= tp1) on 2 ranks
 LOGPROB_ATOL = 1e-4
 
@@ -22,7 +24,7 @@ def test_resync_from_every_train_layout_matches_transformers(tmp_path, rollout_t
     model = make_vllm_model(tmp_path / "llama")
     out = tmp_path / "results.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "tests/real_vllm/sync_worker.py", "--model", str(model), "--rollout-tp", str(rollout_tp),
+           "tests/vllm/sync_worker.py", "--model", str(model), "--rollout-tp", str(rollout_tp),
            "--layouts", *LAYOUTS, "--out", str(out), "--tmp", str(tmp_path)]
     repo = Path(__file__).resolve().parents[2]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONWARNINGS="ignore")
