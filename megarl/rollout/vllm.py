@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -216,6 +217,8 @@ class VLLMRolloutEngine:
         self._weights_awake = self._kv_awake = not self.sleep_mode
         self._weights_valid = False
         self._tied = ties_embeddings(config.hf_dir)
+        # created after vLLM's own exit hook, so it runs first at exit (finalizers run newest first)
+        self._finalizer = weakref.finalize(self, _shutdown_keeping_default_group, self.llm.llm_engine.engine_core)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full HF-checkpoint tensors, in layer order, every rank of the group the same stream.
@@ -278,13 +281,20 @@ class VLLMRolloutEngine:
 
         vLLM's shutdown (EngineCore.shutdown -> cleanup_dist_env_and_memory) ends with
         torch.distributed.destroy_process_group(), which would take the trainer's world with it;
-        its own groups are still destroyed.
+        its own groups are still destroyed. Also runs, once, when the adapter is collected or the
+        interpreter exits (after the launcher destroyed the default group, vLLM's own exit hook
+        raised "Invalid process group specified").
         """
         if self.llm is None:
             return
-        with _keep_default_process_group():
-            self.llm.llm_engine.engine_core.shutdown()
+        self._finalizer()
         self.llm = None
+
+
+def _shutdown_keeping_default_group(client) -> None:
+    """client: the LLM's engine-core client (InprocClient.shutdown detaches vLLM's own exit hook)."""
+    with _keep_default_process_group():
+        client.shutdown()
 
 
 @contextlib.contextmanager
@@ -292,7 +302,8 @@ def _keep_default_process_group():
     real = torch.distributed.destroy_process_group
 
     def destroy_unless_default(group=None):
-        if group is not None:
+        # after the default group is gone, its subgroups are gone too (destroying them raises)
+        if group is not None and torch.distributed.is_initialized():
             real(group)
 
     torch.distributed.destroy_process_group = destroy_unless_default

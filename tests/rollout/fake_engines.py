@@ -113,7 +113,7 @@ def make_fake_vllm(version: str = "0.33.0", sleep_mode: bool = True):
             self.asleep: set[str] = set()
             # vLLM's shutdown (EngineCore.shutdown -> cleanup_dist_env_and_memory) ends with
             # torch.distributed.destroy_process_group(): the default group, whoever created it
-            self.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(shutdown=_vllm_shutdown))
+            self.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(shutdown=lambda timeout=None: _vllm_shutdown()))
 
         def sleep(self, level: int = 1, mode: str = "abort"):
             calls.append(("sleep", level))

