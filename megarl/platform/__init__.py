@@ -34,6 +34,11 @@ def init_platform(force_cpu: bool | None = None) -> Platform:
     if torch.cuda.is_available() and not force_cpu:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
+        # Megatron's MoE router calls `te_general_gemm` whenever the name exists and only imports it
+        # with Transformer-Engine: without TE every MoE forward raised NameError on GPU as well.
+        from megarl.platform.cpu_compat import define_te_general_gemm
+
+        define_te_general_gemm()
         _PLATFORM = Platform(torch.device("cuda", local_rank), "nccl")
     else:
         from megarl.platform import cpu_compat

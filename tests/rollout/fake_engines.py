@@ -78,11 +78,17 @@ class RequestOutput:
     finished: bool = True
 
 
-def make_fake_vllm(version: str = "0.33.0"):
+def make_fake_vllm(version: str = "0.33.0", sleep_mode: bool = True):
+    """A fake `vllm` (and `vllm.platforms`, registered by install_fake_vllm). sleep_mode: what
+    current_platform.is_sleep_mode_available() says (True on CUDA; the real CPU build says False,
+    which tests/vllm runs against)."""
     calls: list[tuple] = []
     mod = types.ModuleType("vllm")
     mod.__version__ = version
     mod.calls = calls
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = types.SimpleNamespace(is_sleep_mode_available=lambda: sleep_mode)
+    mod.platforms = platforms
 
     class SamplingParams:
         def __init__(self, **kw):
@@ -97,12 +103,17 @@ def make_fake_vllm(version: str = "0.33.0"):
         def __init__(self, model, **kw):
             unknown = set(kw) - VLLM_LLM_KWARGS
             assert not unknown, f"vllm.LLM has no arguments {unknown}"
+            if kw.get("enable_sleep_mode") and not sleep_mode:
+                raise ValueError("Sleep mode is not supported on current platform.")  # the real CPU build's refusal
             calls.append(("LLM", dict(kw, model=model)))
             # constructing LLM reseeds python, numpy and torch process-wide (note A1 "Seeding")
             random.seed(0)
             np.random.seed(0)
             torch.manual_seed(0)
             self.asleep: set[str] = set()
+            # vLLM's shutdown (EngineCore.shutdown -> cleanup_dist_env_and_memory) ends with
+            # torch.distributed.destroy_process_group(): the default group, whoever created it
+            self.llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(shutdown=lambda timeout=None: _vllm_shutdown()))
 
         def sleep(self, level: int = 1, mode: str = "abort"):
             calls.append(("sleep", level))
@@ -137,8 +148,18 @@ def make_fake_vllm(version: str = "0.33.0"):
                                           [CompletionOutput(0, "", toks, None, lps, "length")]))
             return outs
 
+    def _vllm_shutdown():
+        calls.append(("shutdown",))
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
     mod.LLM, mod.SamplingParams, mod.TokensPrompt = LLM, SamplingParams, TokensPrompt
     return mod
+
+
+def install_fake_vllm(monkeypatch, mod) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", mod)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", mod.platforms)
 
 
 # ----------------------------------------------------------------------------------------- sglang

