@@ -104,9 +104,10 @@ def engine_kwargs(config: VLLMConfig, group_index: int) -> dict[str, Any]:
 
 def to_vllm_sampling(vllm, sampling: SamplingParams, seed: int):
     """One single-sample vllm.SamplingParams; `n` is expanded by megarl so each sample has its seed."""
+    banned = {"logit_bias": {t: float("-inf") for t in sampling.banned_token_ids}} if sampling.banned_token_ids else {}
     return vllm.SamplingParams(
         n=1, seed=seed, logprobs=0, max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-        top_p=sampling.top_p, top_k=sampling.top_k, stop_token_ids=list(sampling.stop_token_ids), detokenize=False,
+        top_p=sampling.top_p, top_k=sampling.top_k, stop_token_ids=list(sampling.stop_token_ids), detokenize=False, **banned,
     )
 
 
