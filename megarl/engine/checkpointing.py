@@ -58,6 +58,7 @@ def save_engine(engine, path: str) -> float:
 
     start = time.perf_counter()
     os.makedirs(path, exist_ok=True)
+    _results_queue_without_a_server()
     dist.barrier()
     dist_checkpointing.save(_sharded_state_dict(engine, is_loading=False), path)
     if engine.dims.rank == 0:
@@ -67,6 +68,25 @@ def save_engine(engine, path: str) -> float:
     torch.save(rng_state(engine.dims), _rng_file(path, engine.dims.rank))
     dist.barrier()
     return time.perf_counter() - start
+
+
+def _results_queue_without_a_server() -> None:
+    """Keep Megatron's checkpoint writer from starting processes that outlive a killed run.
+
+    Megatron-Core 0.16's FileSystemWriterAsync collects write results through
+    `multiprocessing.get_context("spawn").Manager().Queue()`: a spawned manager server (a whole
+    Python with torch, ~300 MB) plus multiprocessing's resource tracker, both left running for good
+    when the trainer is killed with SIGKILL. megarl saves synchronously, so the results never
+    leave this process (its forked writers report on their own local queue, and the writer puts the
+    merged result here and reads it back in this same process): a plain in-process queue (no
+    server, no tracker) carries them. Set once, before the first save would create the manager.
+    """
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
 
 
 def load_engine(engine, path: str) -> None:

@@ -107,3 +107,19 @@ def test_dcp_bytes_item_payload_is_refused(world_of_one, tmp_path):
     with _plain_bytes_only(str(tmp_path)):
         planner.load_bytes(item, io.BytesIO(plain.getvalue()))
     assert planner.state_dict["optimizer.groups"] == {"lr": 0.1}
+
+
+def test_a_save_starts_no_process_that_would_outlive_a_killed_run(tiny_models, world_of_one, tmp_path):
+    # Issue 11, item 8: Megatron's writer used a spawned Manager server (~300 MB) and the resource
+    # tracker; kill -9 of the trainer left both alive for good. After a save, neither exists.
+    import multiprocessing
+    from multiprocessing import resource_tracker
+
+    from megarl.engine.engine import EngineConfig, MegatronEngine
+
+    engine = MegatronEngine(str(tiny_models["qwen2"]), world_of_one, EngineConfig())
+    before = {p.pid for p in multiprocessing.active_children()}
+    engine.save(str(tmp_path / "ckpt"))
+    engine.load(str(tmp_path / "ckpt"))
+    assert {p.pid for p in multiprocessing.active_children()} - before == set()
+    assert getattr(resource_tracker._resource_tracker, "_pid", None) is None
