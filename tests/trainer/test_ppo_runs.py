@@ -73,6 +73,23 @@ def single_process_run(tmp_path_factory):
     return run_dir
 
 
+# The smallest split validation accepts: 2 prompts x 2 samples = 4 responses per step, cut into
+# mini-batches of one response per DP rank (dp2: 2 mini-batches of 2; tp2: 4 mini-batches of 1),
+# against one process cutting the same global mini-batches.
+SMALLEST = {"data.prompts_per_step": 2, "rollout.samples_per_prompt": 2, "trainer.total_steps": 2}
+
+
+@pytest.mark.parametrize("nproc,tp,mini_batches", [(2, 1, 2), (2, 2, 4)], ids=["dp2", "tp2"])
+def test_same_run_under_every_layout_at_the_smallest_split(tmp_path_factory, nproc, tp, mini_batches):
+    root = tmp_path_factory.mktemp(f"smallest_tp{tp}")
+    split = {**SMALLEST, "actor.ppo_mini_batches": mini_batches, "critic.ppo_mini_batches": mini_batches}
+    launch_ok(0, small_run_overrides(root, root / "single", **split))
+    launch_ok(nproc, small_run_overrides(root, root / "parallel", **split, **{"parallel.tp": tp}))
+    single, parallel = read_metrics(root / "single"), read_metrics(root / "parallel")
+    assert len(single) == len(parallel) == 2
+    _assert_close(single, parallel, rel=1e-3)
+
+
 def test_demo_learns_and_is_tracked(tmp_path):
     """The README's demo, as a new user runs it (only the paths moved into tmp_path)."""
     run_dir = tmp_path / "run"
