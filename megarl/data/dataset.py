@@ -136,6 +136,16 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """Every prompt token id must be one the model has: a tokenizer larger than the model's
+        embedding would otherwise fail inside rollout (IndexError; a device-side assert on GPU)."""
+        for r in self.rows:
+            ids = r.get("prompt_ids") or []
+            if ids and max(ids) >= vocab_size:
+                raise ValueError(f"{', '.join(self.files)}: prompt {r['prompt'][:40]!r} has token id {max(ids)}, but the "
+                                 f"model has {vocab_size} tokens (ids 0 .. {vocab_size - 1}): the tokenizer in model.path "
+                                 f"does not belong to its model; use the tokenizer the model was trained with")
+
     def epoch_order(self, epoch: int) -> np.ndarray:
         """Row order of an epoch: a permutation seeded by (seed, epoch), or the file order."""
         if not self.shuffle:

@@ -70,6 +70,17 @@ def save_engine(engine, path: str) -> float:
     return time.perf_counter() - start
 
 
+class CheckpointMismatch(ValueError):
+    """A checkpoint whose tensors do not match the model being loaded (another architecture or size)."""
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.strip().startswith("Traceback")]
+    text = next((ln for ln in lines if "size" in ln.lower() or "shape" in ln.lower() or "mismatch" in ln.lower()),
+                lines[0] if lines else type(e).__name__)
+    return " ".join(text.split())[:300]
+
+
 def _results_queue_without_a_server() -> None:
     """Keep Megatron's checkpoint writer from starting processes that outlive a killed run.
 
@@ -92,12 +103,20 @@ def _results_queue_without_a_server() -> None:
 def load_engine(engine, path: str) -> None:
     """Collective: fill the engine (any layout) from a checkpoint written by `save_engine`."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     metadata = os.path.join(path, ".metadata")
     if os.path.exists(metadata):
         check_dcp_metadata(metadata)
     with _plain_bytes_only(path):
-        loaded = dist_checkpointing.load(_sharded_state_dict(engine, is_loading=True), path)
+        try:
+            loaded = dist_checkpointing.load(_sharded_state_dict(engine, is_loading=True), path)
+        except UnsafeCheckpointError:
+            raise
+        except (Exception, CheckpointException) as e:  # Megatron reports a mismatch deep inside DCP, as a long traceback
+            raise CheckpointMismatch(
+                f"checkpoint {path} does not fit this model ({_first_line(e)}); it was written for another "
+                f"architecture or size: resume with the model.path it was trained from, or use another trainer.run_dir") from e
     rng_file = _rng_file(path, engine.dims.rank)
     if os.path.exists(rng_file):
         restore_rng_state(load_plain(rng_file), engine.dims)

@@ -123,3 +123,14 @@ def test_a_save_starts_no_process_that_would_outlive_a_killed_run(tiny_models, w
     engine.load(str(tmp_path / "ckpt"))
     assert {p.pid for p in multiprocessing.active_children()} - before == set()
     assert getattr(resource_tracker._resource_tracker, "_pid", None) is None
+
+
+def test_a_checkpoint_of_another_architecture_is_one_clear_error(tiny_models, world_of_one, tmp_path):
+    # Issue 11, item 12: Megatron's shape mismatch came out as a long DCP traceback.
+    from megarl.engine.checkpointing import CheckpointMismatch
+    from megarl.engine.engine import EngineConfig, MegatronEngine
+
+    MegatronEngine(str(tiny_models["qwen2"]), world_of_one, EngineConfig()).save(str(tmp_path / "qwen2"))
+    other = MegatronEngine(str(tiny_models["qwen3"]), world_of_one, EngineConfig())
+    with pytest.raises(CheckpointMismatch, match=r"does not fit this model .*model.path it was trained from"):
+        other.load(str(tmp_path / "qwen2"))

@@ -62,3 +62,14 @@ def test_prepare_data_gsm8k_without_input_names_the_flag(tmp_path, monkeypatch, 
     assert main(["gsm8k", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "--input not given" in err and "set --input to a directory" in err and err.count("\n") == 1
+
+
+def test_prompt_token_ids_beyond_the_models_vocabulary_are_named(tmp_path):
+    from megarl.data.dataset import PromptDataset
+    from megarl.data.prepare import write_parquet
+
+    write_parquet([{"prompt": "abc", "ground_truth": "1", "data_source": "x"}] * 4, tmp_path / "d.parquet")
+    data = PromptDataset([tmp_path / "d.parquet"], prompts_per_step=2, tokenizer=lambda text: [ord(c) for c in text])
+    data.check_vocab(100)  # 'a' 'b' 'c' are 97 .. 99
+    with pytest.raises(ValueError, match=r"token id 99, but the model has 99 tokens .*tokenizer"):
+        data.check_vocab(99)
