@@ -1,4 +1,4 @@
-"""python -m megarl.tools.eval_exact_match --model HF_DIR --data FILE.parquet [--limit N]
+"""python -m megarl.tools.eval_exact_match --model HF_DIR --data FILE.parquet [--run-config RUN/config.yaml] [--limit N]
 
 Greedy exact-match accuracy of a model on a prompt dataset: a response counts when its tokens are
 exactly the ground truth's tokens followed by eos (no extra, missing or special token; nothing is
@@ -58,9 +58,16 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--banned-token-ids", type=int, nargs="*", default=[],
                    help="never pick these tokens: the run's rollout.banned_token_ids, to measure the policy as it was trained")
+    p.add_argument("--run-config", help="a run's resolved config.yaml: take --banned-token-ids from its rollout.banned_token_ids")
     args = p.parse_args(argv)
     try:
-        out = exact_match(args.model, args.data, args.limit, args.max_new_tokens, banned_token_ids=tuple(args.banned_token_ids))
+        banned = list(args.banned_token_ids)
+        if args.run_config:
+            import yaml
+
+            with open(args.run_config) as f:
+                banned += list((yaml.safe_load(f).get("rollout") or {}).get("banned_token_ids") or [])
+        out = exact_match(args.model, args.data, args.limit, args.max_new_tokens, banned_token_ids=tuple(banned))
     except (ValueError, OSError) as e:
         print(f"eval_exact_match: {e}", file=sys.stderr)
         return 2

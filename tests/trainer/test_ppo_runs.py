@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ppo_helpers import REPO, launch_ok, read_metrics, small_run_overrides
+from ppo_helpers import REPO, launch_ok, prepared_data, read_metrics, small_run_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # torchrun, 2 ranks (one single-process run)
 
@@ -91,8 +91,10 @@ def test_same_run_under_every_layout_at_the_smallest_split(tmp_path_factory, npr
 
 
 def test_demo_learns_and_is_tracked(tmp_path):
-    """The README's demo, as a new user runs it (only the paths moved into tmp_path)."""
+    """The README's demo, as a new user runs it (only the paths moved into tmp_path), and its
+    figure: greedy exact match (digits then eos) on the held-out prompts, measured as README says."""
     run_dir = tmp_path / "run"
+    prepared_data(tmp_path, train_size=20000, val_size=256)  # the demo's sizes (auto_prepare writes no typed path)
     overrides = [f"trainer.run_dir={run_dir}", f"model.path={tmp_path / 'model'}",
                  f"data.train_files=[{tmp_path / 'train.parquet'}]", f"data.val_files=[{tmp_path / 'test.parquet'}]",
                  "tracking.progress_bar=false"]
@@ -110,10 +112,11 @@ def test_demo_learns_and_is_tracked(tmp_path):
     mlflow.set_tracking_uri(default_tracking_uri(run_dir))
     runs = mlflow.search_runs(experiment_names=["megarl-demo"])
     assert len(runs) == 1
-    assert runs["params.actor.optim.lr"].iloc[0] == "0.001"
+    assert runs["params.actor.optim.lr"].iloc[0] == "0.0005"
     assert runs["metrics.critic/score/mean"].iloc[0] == pytest.approx(scores[-1])
 
-    # The final checkpoint exports to a directory transformers loads.
+    # The final checkpoint exports to a directory transformers loads, which answers the held-out
+    # prompts exactly (digits then eos) with greedy decoding: the README's figure, >= 0.9.
     ckpt = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
     out = tmp_path / "hf"
     subprocess.run([sys.executable, "-m", "megarl.tools.export_hf", "--ckpt", str(ckpt), "--out", str(out)],
@@ -122,6 +125,11 @@ def test_demo_learns_and_is_tracked(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.num_hidden_layers == 2
+    measured = subprocess.run([sys.executable, "-m", "megarl.tools.eval_exact_match", "--model", str(out),
+                               "--data", str(tmp_path / "test.parquet"), "--run-config", str(run_dir / "config.yaml")],
+                              cwd=REPO, check=True, capture_output=True, text=True, timeout=300)
+    result = json.loads(measured.stdout.strip().splitlines()[-1])
+    assert result["total"] == 256 and result["exact_match"] >= 0.9, result
 
 
 def test_reward_collapse_guard_rolls_back_and_halves_lr(tmp_path):
