@@ -34,7 +34,11 @@ def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple
     return [(k, old.get(k), new.get(k)) for k in keys if _norm(old.get(k)) != _norm(new.get(k))]
 
 
-def breaks_exactness(key: str) -> bool:
+def breaks_exactness(key: str, new: Mapping[str, Any] | None = None) -> bool:
+    """Whether changing `key` changes what the resumed run computes. total_steps only matters
+    through a learning-rate schedule that spans it (cosine, linear); constant ones ignore it."""
+    if key == "trainer.total_steps" and new is not None:
+        return any(new.get(f"{role}.optim.schedule", "constant") != "constant" for role in ("actor", "critic"))
     return not any(key == safe or (safe.endswith(".") and key.startswith(safe)) for safe in EXACTNESS_SAFE)
 
 
@@ -47,9 +51,9 @@ def check_resume(run_dir: str | Path, new_flat: Mapping[str, Any], world_size: i
         return []
     new = {**new_flat, WORLD_SIZE_KEY: world_size}
     changes = config_changes(last, new)
-    lines = [f"{k}: {_show(a)} -> {_show(b)}" + ("" if breaks_exactness(k) else " (does not change results)")
+    lines = [f"{k}: {_show(a)} -> {_show(b)}" + ("" if breaks_exactness(k, new) else " (does not change results)")
              for k, a, b in changes]
-    breaking = [f"{k}: {_show(a)} -> {_show(b)}" for k, a, b in changes if breaks_exactness(k)]
+    breaking = [f"{k}: {_show(a)} -> {_show(b)}" for k, a, b in changes if breaks_exactness(k, new)]
     if breaking and not allow:
         raise ResumeChangeError(
             f"resuming {run_dir} with changed settings ({'; '.join(breaking)}): the resumed run would not reproduce "

@@ -38,6 +38,7 @@ def small_run_overrides(root: Path, run_dir: Path, **extra) -> list[str]:
         "tracking.progress_bar": "false",
         "trainer.save_every_steps": 0,
         "model.sequence_packing": "true",  # the default of real configs (the demo pads)
+        "algorithm.adv_estimator": "gae",  # the demo runs GRPO; these runs test the critic path too
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]

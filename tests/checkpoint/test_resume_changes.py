@@ -42,3 +42,14 @@ def test_each_segment_keeps_its_resolved_config(tmp_path):
     assert "2e-6" in (tmp_path / "config_history" / "step_00000006.yaml").read_text()
     # the next resume compares with the latest segment
     assert check_resume(tmp_path, {**BASE, "actor.optim.lr": 2e-6}, world_size=2, allow=False) == []
+
+
+def test_total_steps_breaks_exactness_only_under_a_schedule_that_spans_it(tmp_path):
+    cosine = {**BASE, "actor.optim.schedule": "cosine", "critic.optim.schedule": "constant"}
+    constant = {**BASE, "actor.optim.schedule": "constant", "critic.optim.schedule": "constant"}
+    record_segment(tmp_path / "a", cosine, "", start_step=1, world_size=1)
+    with pytest.raises(ResumeChangeError, match="trainer.total_steps: 10 -> 20"):
+        check_resume(tmp_path / "a", {**cosine, "trainer.total_steps": 20}, world_size=1, allow=False)
+    record_segment(tmp_path / "b", constant, "", start_step=1, world_size=1)
+    assert check_resume(tmp_path / "b", {**constant, "trainer.total_steps": 20}, world_size=1, allow=False) == [
+        "trainer.total_steps: 10 -> 20 (does not change results)"]

@@ -2,11 +2,11 @@
 (issue 11, item 7), instead of skipping every update and exiting 0 with a null score."""
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from conftest import REPO, torchrun
 
 from megarl.config import RewardConfig
 from megarl.rewards import RewardError, build_reward_fn
@@ -57,6 +57,7 @@ TWO_RANKS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multiprocess
 def test_a_bad_score_on_one_rank_fails_every_rank(tmp_path):
     spec = _reward_file(tmp_path, """
         def compute_score(data_source, solution_str, ground_truth, extra_info):
@@ -64,8 +65,7 @@ def test_a_bad_score_on_one_rank_fails_every_rank(tmp_path):
     """)
     script = tmp_path / "two_ranks.py"
     script.write_text(TWO_RANKS)
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          str(script), spec], capture_output=True, text=True, timeout=120)
+    out = torchrun(2, [str(script), spec], timeout=300, env={"PYTHONPATH": str(REPO)})
     lines = sorted(l for l in out.stdout.splitlines() if l.startswith("rank "))
     assert len(lines) == 2, out.stdout + out.stderr
     assert lines[0].split(": ", 1)[1] == lines[1].split(": ", 1)[1]
