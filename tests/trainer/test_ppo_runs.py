@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ppo_helpers import REPO, launch_ok, prepared_data, read_metrics, small_run_overrides
+from ppo_helpers import REPO, launch, launch_ok, prepared_data, read_metrics, small_run_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # torchrun, 2 ranks (one single-process run)
 
@@ -35,8 +35,14 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     launch_ok(2, small_run_overrides(tmp_path, split, **{"trainer.total_steps": 2, "trainer.save_every_steps": 2}, **extra))
     # A save killed half-way leaves a temporary directory: resume must ignore it.
     (split / "checkpoints" / "step_00000003.tmp-step3" / "actor").mkdir(parents=True)
+    # A changed learning rate would make the resumed run differ from the straight one: refused (issue 11).
+    refused = launch(2, small_run_overrides(tmp_path, split, **{"trainer.total_steps": 4, "actor.optim.lr": 2e-3}, **extra))
+    assert refused.returncode != 0 and refused.stderr.count("trainer.resume_allow_changes=true") == 1, refused.stderr
     proc = launch_ok(2, small_run_overrides(tmp_path, split, **{"trainer.total_steps": 4}, **extra))
     assert "resumed from" in proc.stdout and "step_00000002" in proc.stdout
+    # total_steps under a constant schedule: shown, allowed; each segment's config kept
+    assert "trainer.total_steps: 2 -> 4 (does not change results)" in proc.stdout
+    assert sorted(p.name for p in (split / "config_history").glob("*.yaml")) == ["step_00000001.yaml", "step_00000003.yaml"]
     a, b = read_metrics(straight), read_metrics(split)
     assert len(a) == len(b) == 4
     _assert_close(a, b, rel=1e-6, keys=COMPARED + ("actor/reward_kl_penalty_coeff", "critic/values/mean"))
