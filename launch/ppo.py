@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -61,7 +62,11 @@ def main(argv=None) -> int:
         check_inputs(cfg, args.overrides)
     except ConfigError as err:
         if first_rank:
-            print(f"config error: {err}", file=sys.stderr)
+            print(f"config error: {err}", file=sys.stderr, flush=True)
+        else:
+            # torchrun stops the remaining workers as soon as one exits: were another rank to exit
+            # first, rank 0 could be killed before printing. (No process group exists yet to wait on.)
+            time.sleep(3)
         return 2
 
     import torch.distributed as dist
