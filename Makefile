@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test test-fast
+.PHONY: setup demo demo-eval test test-fast
 setup: $(VENV)/.installed
 
 # torch is pinned to the CPU build that lies on local disk; an unpinned torch pulls a CUDA build.
@@ -15,6 +15,13 @@ $(VENV)/.installed: setup.py
 
 demo: setup
 	$(BIN)/torchrun --standalone --nproc_per_node 2 launch/ppo.py --config configs/tiny_cpu.yaml
+
+# The README's demo figure: greedy exact match of the demo's last checkpoint on the held-out prompts.
+DEMO_RUN := runs/tiny_cpu
+demo-eval: setup
+	$(BIN)/python -m megarl.tools.export_hf --ckpt $$(ls -d $(DEMO_RUN)/checkpoints/step_* | tail -n 1) --out $(DEMO_RUN)/hf_last
+	$(BIN)/python -m megarl.tools.eval_exact_match --model $(DEMO_RUN)/hf_last --data runs/data/arithmetic/test.parquet \
+		--run-config $(DEMO_RUN)/config.yaml
 
 # The real-vLLM tier (tests/vllm) is skipped, visibly, in .venv and then run in .venv-vllm.
 test: setup venv-vllm

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -26,7 +27,7 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def prepare(cfg, rank: int) -> None:
+def prepare(cfg, rank: int, user_files=()) -> None:
     """Rank 0 creates what the demo needs: the tiny model and the dataset (others wait)."""
     if rank != 0:
         return
@@ -40,7 +41,7 @@ def prepare(cfg, rank: int) -> None:
         arch, seed = options.pop("arch"), options.pop("seed")
         make_tiny_model(arch, cfg.model.path, seed=seed, **options)
         print(f"created a tiny random {arch} model at {cfg.model.path}", flush=True)
-    if prepare_if_missing(cfg.data):
+    if prepare_if_missing(cfg.data, user_files):
         print(f"prepared {cfg.data.auto_prepare} data at {cfg.data.train_files[0]}", flush=True)
 
 
@@ -54,17 +55,28 @@ def main(argv=None) -> int:
     from megarl.config import ConfigError, check_inputs, flatten, load_config, save_resolved, validate
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    first_rank = os.environ.get("RANK", "0") == "0"  # under torchrun every rank checks: one prints
     try:
         cfg = load_config(args.config, args.overrides)
         sizes = validate(cfg, world_size)
-        check_inputs(cfg)
+        check_inputs(cfg, args.overrides)
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
+        if first_rank:
+            print(f"config error: {err}", file=sys.stderr, flush=True)
+        else:
+            # torchrun stops the remaining workers as soon as one exits: were another rank to exit
+            # first, rank 0 could be killed before printing. (No process group exists yet to wait on.)
+            time.sleep(3)
         return 2
 
     import torch.distributed as dist
 
+    from megarl.checkpoint import checkpoints_root
+    from megarl.checkpoint_io import RunDirLock, RunDirLocked, abandon_newer
+    from megarl.data.prepare import user_data_files
     from megarl.parallel import ParallelDims
+    from megarl.resume_changes import ResumeChangeError, check_resume, record_segment
+    from megarl.rewards import RewardError
     from megarl.tracking import Tracker
     from megarl.trainer import Trainer
 
@@ -73,34 +85,81 @@ def main(argv=None) -> int:
                         vpp=layout.vpp)
     dims.initialize(seed=cfg.trainer.seed)
     rank = dims.rank
-    prepare(cfg, rank)
-    dist.barrier()
     run_dir = Path(cfg.trainer.run_dir)
+
+    def fail(problem: str | None) -> bool:
+        """Every rank learns rank 0's verdict; rank 0 prints it once. True: stop (exit 2)."""
+        verdict = [problem]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None and rank == 0:
+            print(f"error: {verdict[0]}", file=sys.stderr)
+        return verdict[0] is not None
+
+    lock, problem = None, None
+    if rank == 0:  # one run per run_dir, held until this process ends (kill -9 included)
+        try:
+            lock = RunDirLock(run_dir).acquire()
+        except RunDirLocked as err:
+            problem = str(err)
+        except OSError as err:
+            problem = (f"trainer.run_dir {run_dir} cannot be written ({err.strerror or err}): check that the "
+                       f"filesystem is writable and not full, or choose another trainer.run_dir")
+    if fail(problem):
+        return 2
+    problem = None
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_resolved(cfg, run_dir / "config.yaml")
+        try:
+            prepare(cfg, rank, user_data_files(cfg.data, args.overrides))
+        except (ValueError, OSError) as err:
+            problem = str(err)
+    if fail(problem):
+        return 2
+    if rank == 0:
         print(f"megarl: {dims.describe()} | {sizes}", flush=True)
 
     try:
         trainer = Trainer(cfg, dims)
-    except (ValueError, FileNotFoundError) as err:  # bad data / model files found while building
+        start = trainer.resume()
+    except (ValueError, FileNotFoundError, ImportError) as err:  # bad data / model / checkpoint files, missing engine
         if rank == 0:
             print(f"error: {err}", file=sys.stderr)
         return 2
-    start = trainer.resume()
-    if start is not None and rank == 0:
-        print(f"resumed from {start} (step {trainer.step})", flush=True)
+    problem, changes = None, []
+    if rank == 0:
+        try:  # a changed config on resume is shown, and refused where it breaks exact resume
+            if start is not None:
+                changes = check_resume(run_dir, flatten(cfg), world_size, cfg.trainer.resume_allow_changes)
+        except ResumeChangeError as err:
+            problem = str(err)
+    if fail(problem):
+        return 2
+    if rank == 0:
+        if start is not None:
+            print(f"resumed from {start} (step {trainer.step})", flush=True)
+            for line in changes:
+                print(f"  changed since the last segment: {line}", flush=True)
+            if cfg.trainer.resume not in ("auto", "never") and Path(start).resolve().parent == checkpoints_root(run_dir).resolve():
+                for moved in abandon_newer(checkpoints_root(run_dir), trainer.step):
+                    print(f"  newer checkpoint of the abandoned trajectory moved to {moved}", flush=True)
+        save_resolved(cfg, run_dir / "config.yaml")
+        record_segment(run_dir, flatten(cfg), (run_dir / "config.yaml").read_text(), trainer.step + 1, world_size)
     tracker = Tracker(cfg.tracking, run_dir, rank=rank, total_steps=cfg.trainer.total_steps, start_step=trainer.step + 1,
                       resume=start is not None, params=flatten(cfg), log_every=cfg.trainer.log_every)
     status = "FAILED"
     try:
         trainer.train(tracker)
         status = "FINISHED"
+    except RewardError as err:  # raised on every rank together (the check is collective)
+        if rank == 0:
+            print(f"error: {err}", file=sys.stderr)
+        return 2
     finally:
         tracker.close(status)
     dist.barrier()
     dims.destroy()
     dist.destroy_process_group()
+    if lock is not None:
+        lock.release()
     return 0
 
 

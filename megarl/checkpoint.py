@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from megarl.checkpoint_io import atomic_dir, cleanup_old_checkpoints, latest_complete_checkpoint, remove_leftovers, step_dir
+from megarl.checkpoint_io import atomic_dir, cleanup_old_checkpoints, latest_complete_checkpoint, load_plain, remove_leftovers, step_dir
 from megarl.engine.engine import EngineConfig, MegatronEngine
 from megarl.models.weights import save_hf_checkpoint
 from megarl.parallel import dims_from_env
@@ -59,7 +59,7 @@ def restore(trainer, path: str | Path, weights_only: bool = False) -> int:
         raise FileNotFoundError(f"{path} has no critic checkpoint, but algorithm.adv_estimator=gae needs one")
     for role, engine in engines.items():
         engine.load(str(path / role))
-    state = torch.load(path / "trainer.pt", weights_only=False)
+    state = load_plain(path / "trainer.pt")
     if not weights_only:
         trainer.load_state_dict(state)
     return state["step"]

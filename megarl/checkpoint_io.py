@@ -21,7 +21,7 @@ import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 COMPLETE = "COMPLETE"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -92,14 +92,24 @@ def atomic_dir(final_path: str | os.PathLike, *, rank: int = 0, barrier: Callabl
 
 
 def _replace_dir(tmp: Path, final: Path) -> None:
-    """Rename tmp to final; an existing final is moved aside first and removed last."""
+    """Rename tmp to final; an existing final is moved aside first and removed last.
+
+    Between the two renames no `final` exists; a kill there leaves the complete new checkpoint as
+    `<final>.tmp-*` and the old one as `<final>.old-*`, and `remove_leftovers` puts the new one in
+    place at the next start instead of deleting it (tested by killing at that point).
+    """
     if not final.exists():
         os.rename(tmp, final)
         return
     old = final.with_name(f"{final.name}.old-{secrets.token_hex(4)}")
     os.rename(final, old)
+    _between_renames()
     os.rename(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _between_renames() -> None:
+    """A seam for the test that kills a save between its two renames."""
 
 
 def cleanup_old_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> list[Path]:
@@ -113,11 +123,166 @@ def cleanup_old_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> list[
 
 
 def remove_leftovers(run_dir: str | os.PathLike) -> list[Path]:
-    """Delete temp / moved-aside dirs of interrupted saves; rank 0 at start-up, before any save."""
+    """Clean up after interrupted saves; rank 0 at start-up, before any save. Returns what it deleted.
+
+    A save killed between its two renames (`_replace_dir`) left no `step_X` but a complete
+    `step_X.tmp-*` (the new checkpoint) and `step_X.old-*` (the one it replaced): the complete
+    one, preferring the new, is renamed back to `step_X` first. Everything else is deleted.
+    """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
-    leftovers = [p for p in run_dir.iterdir() if _LEFTOVER.match(p.name) and p.is_dir()]
+    leftovers = sorted((p for p in run_dir.iterdir() if _LEFTOVER.match(p.name) and p.is_dir()),
+                       key=lambda p: (".old-" in p.name, p.name))  # new (tmp) before old
+    for path in leftovers:
+        final = run_dir / path.name.split(".", 1)[0]
+        if not final.exists() and is_complete(path):
+            os.rename(path, final)
+    leftovers = [p for p in leftovers if p.exists()]
     for path in leftovers:
         shutil.rmtree(path, ignore_errors=True)
     return leftovers
+
+
+def abandon_newer(run_dir: str | os.PathLike, step: int) -> list[Path]:
+    """Move checkpoints newer than `step` into `<run_dir>/abandoned/<time>/`; rank 0 only.
+
+    Resuming from an explicit older checkpoint starts a new trajectory: the newer checkpoints of
+    the old one must not be picked up by a later resume=auto, and are kept (moved, not deleted)
+    in case they are wanted back. Returns their new paths.
+    """
+    run_dir = Path(run_dir)
+    newer = [p for p in complete_checkpoints(run_dir) if checkpoint_step(p) > step]
+    newer += [p for p in run_dir.iterdir() if _STEP_DIR.match(p.name) and p.is_dir() and not is_complete(p)
+              and checkpoint_step(p) > step] if run_dir.is_dir() else []
+    if not newer:
+        return []
+    dest = run_dir / "abandoned" / time.strftime("%Y%m%d-%H%M%S")
+    dest.mkdir(parents=True, exist_ok=True)
+    moved = []
+    for path in newer:
+        os.rename(path, dest / path.name)
+        moved.append(dest / path.name)
+    return moved
+
+
+class RunDirLocked(RuntimeError):
+    """Another live run holds the run directory."""
+
+
+class RunDirLock:
+    """An exclusive lock on a run directory, held for the life of the run (rank 0 takes it).
+
+    `<run_dir>/.lock` is held with flock and records {host, pid, started}. The kernel drops a
+    flock when its process dies, kill -9 included, so a lock left by a killed run is recognised
+    as stale by simply being free; no pid guessing. A second run on the same directory gets a
+    RunDirLocked naming the first run's host and pid. (flock also works across hosts on NFSv4 and
+    Lustre; on a filesystem without locks, use a run_dir per run.)
+    """
+
+    FILE = ".lock"
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.path = Path(run_dir) / self.FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> "RunDirLock":
+        import fcntl
+        import socket
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = self.holder()
+            os.close(fd)
+            who = (f"host {holder.get('host', '?')} pid {holder.get('pid', '?')}, started "
+                   f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(holder['started']))}" if "started" in holder
+                   else "another process")
+            raise RunDirLocked(f"trainer.run_dir {self.path.parent} is in use by a running megarl job ({who}); "
+                               f"wait for it to finish, stop it, or give this run another trainer.run_dir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, (json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}) + "\n").encode())
+        os.fsync(fd)
+        self._fd = fd
+        return self
+
+    def holder(self) -> dict:
+        """What the lock file says about its holder ({} if unreadable)."""
+        try:
+            return json.loads(self.path.read_text() or "{}")
+        except (OSError, ValueError):
+            return {}
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock; the file stays (its content is history)
+            self._fd = None
+
+    def __enter__(self) -> "RunDirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file holds something other than tensors and plain data: loading it could run code."""
+
+
+def load_plain(path: str | os.PathLike) -> Any:
+    """torch.load with weights_only=True: tensors, numbers, strings and containers only.
+
+    Every file megarl writes (trainer.pt, engine_extra.pt, rng/*.pt) is plain data, so a file that
+    needs anything else was not written by megarl, and unpickling it could execute code planted in
+    it: refused with an UnsafeCheckpointError naming the file, nothing of it executed.
+    """
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UnsafeCheckpointError(
+            f"refusing to load {path}: it holds objects other than tensors and plain data ({first}); "
+            f"megarl never writes such files, so it was modified or comes from elsewhere. Loading it could "
+            f"run code: use a checkpoint you trust") from None
+
+
+def check_dcp_metadata(path: str | os.PathLike) -> None:
+    """Refuse a torch.distributed.checkpoint `.metadata` file that could run code when unpickled.
+
+    DCP reads it with plain pickle.load. It is unpickled here first by an Unpickler that resolves
+    only DCP's metadata classes, torch.Size / dtypes and a few builtins; anything else (a planted
+    `exec`, `os.system`, ...) raises UnsafeCheckpointError before any of it is called.
+    """
+    import pickle
+
+    import torch
+
+    def allowed(module: str, name: str) -> bool:
+        if module.startswith("torch.distributed.checkpoint."):
+            return True
+        if module == "torch":
+            return isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)) or name == "Size"
+        return (module, name) in {("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                                  ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice")}
+
+    class _Restricted(pickle.Unpickler):
+        def find_class(self, module, name):
+            if not allowed(module, name):
+                raise UnsafeCheckpointError(
+                    f"refusing to load {path}: it references {module}.{name}, which is not checkpoint metadata; "
+                    f"unpickling it could run code. megarl never writes such files: use a checkpoint you trust")
+            return super().find_class(module, name)
+
+    with open(path, "rb") as f:
+        try:
+            _Restricted(f).load()
+        except UnsafeCheckpointError:
+            raise
+        except Exception as e:  # truncated or not a pickle: DCP's own error would be a traceback
+            raise ValueError(f"{path} is not a readable checkpoint metadata file ({type(e).__name__}: {e})") from None

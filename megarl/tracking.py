@@ -62,7 +62,7 @@ class Tracker:
         self._drop_lines_from(start_step)
         self._file = open(self.metrics_path, "a")
         if cfg.mlflow:
-            self._start_mlflow(dict(params or {}), resume)
+            self._start_mlflow(dict(params or {}), resume, start_step)
         if cfg.progress_bar:
             from tqdm import tqdm
             # start_step is the first step this process logs: that many minus one are already done.
@@ -144,7 +144,7 @@ class Tracker:
             tmp.write_text("".join(kept))
             os.replace(tmp, self.metrics_path)
 
-    def _start_mlflow(self, params: dict, resume: bool) -> None:
+    def _start_mlflow(self, params: dict, resume: bool, start_step: int = 0) -> None:
         for noisy in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..."
             logging.getLogger(noisy).setLevel(logging.WARNING)
         from mlflow.entities import Param
@@ -156,8 +156,15 @@ class Tracker:
             self._client = MlflowClient(tracking_uri=uri)
         id_file = self.run_dir / RUN_ID_FILE
         existing = {}
+        resumed_from = None
         if resume and id_file.exists():
             self._run_id = id_file.read_text().strip()
+            if not _drop_mlflow_points_from(uri, self._run_id, start_step):
+                # A tracking server keeps every point and has no call to delete some: the resumed
+                # segment gets a run of its own (tagged with the one it continues), so no run
+                # holds two points for one step.
+                resumed_from, self._run_id = self._run_id, None
+        if self._run_id is not None:
             existing = self._client.get_run(self._run_id).data.params
             self._client.update_run(self._run_id, status="RUNNING")
         else:
@@ -170,6 +177,9 @@ class Tracker:
             run = self._client.create_run(experiment_id, run_name=self.cfg.run_name or self.run_dir.resolve().name)
             self._run_id = run.info.run_id
             id_file.write_text(self._run_id + "\n")
+            if resumed_from is not None:
+                self._client.set_tag(self._run_id, "megarl.resumed_from_run", resumed_from)
+                self._client.set_tag(self._run_id, "megarl.resumed_at_step", str(start_step))
         params = {k: json.dumps(v) if isinstance(v, (list, dict)) else str(v) for k, v in params.items()}
         new = [Param(k, v) for k, v in params.items() if k not in existing]
         for i in range(0, len(new), 100):  # MLflow takes at most 100 params per batch
@@ -185,3 +195,33 @@ class Tracker:
             getattr(self._client, method)(*args, **kwargs)
         except Exception as e:
             logger.warning("MLflow %s failed (%s: %s); metrics.jsonl still has the data", method, type(e).__name__, e)
+
+
+def _drop_mlflow_points_from(uri: str, run_id: str, start_step: int) -> bool:
+    """Delete a run's metric points at or after start_step in a local sqlite MLflow store (the
+    default, in the run dir), as metrics.jsonl drops its lines: a resumed run re-logs those steps.
+    Returns False when the store is not a local sqlite file (nothing deleted)."""
+    import sqlite3
+
+    if not uri.startswith("sqlite:///"):
+        return False
+    path = uri[len("sqlite:///"):]
+    if not os.path.exists(path):
+        return False
+    con = sqlite3.connect(path)
+    try:
+        with con:
+            con.execute("DELETE FROM metrics WHERE run_uuid = ? AND step >= ?", (run_id, start_step))
+            # latest_metrics holds, per key, the point with the greatest (step, timestamp, value)
+            rows = con.execute("SELECT key, value, timestamp, step, is_nan FROM metrics WHERE run_uuid = ?", (run_id,)).fetchall()
+            latest: dict = {}
+            for key, value, timestamp, step, is_nan in rows:
+                order = (step, timestamp, value)
+                if key not in latest or order > latest[key][0]:
+                    latest[key] = (order, (key, value, timestamp, step, is_nan, run_id))
+            con.execute("DELETE FROM latest_metrics WHERE run_uuid = ?", (run_id,))
+            con.executemany("INSERT INTO latest_metrics (key, value, timestamp, step, is_nan, run_uuid) VALUES (?, ?, ?, ?, ?, ?)",
+                            [row for _, row in latest.values()])
+    finally:
+        con.close()
+    return True

@@ -29,12 +29,12 @@ from typing import NamedTuple
 import psutil
 import torch
 import torch.distributed as dist
-from transformers import AutoTokenizer
 
 from megarl import algorithms as A
 from megarl import checkpoint
 from megarl.config import Config
 from megarl.data.dataset import PromptDataset, PromptRow
+from megarl.data.tokenizer import load_tokenizer
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
 from megarl.global_batch import GlobalBatch
@@ -46,6 +46,7 @@ from megarl.hybrid.verify import check_sync, token_prob_diff
 from megarl.models.convert import to_hf, weight_mappings
 from megarl.parallel import ParallelDims, all_reduce_host
 from megarl.rewards import build_reward_fn
+from megarl.rewards.decode import check_token_ids, response_text
 from megarl.rewards.model import RewardModel
 from megarl.rollout import build_rollout
 from megarl.rollout.base import RolloutRequest, SamplingParams
@@ -78,12 +79,18 @@ class StepResult(NamedTuple):
     events: list[tuple[str, dict]]
 
 
+def _gspo_clip(actor_cfg) -> dict:
+    """actor.clip_ratio_low / clip_ratio_high when set; otherwise gspo_policy_loss's defaults."""
+    return {k: v for k, v in (("clip_ratio_low", actor_cfg.clip_ratio_low), ("clip_ratio_high", actor_cfg.clip_ratio_high))
+            if v is not None}
+
+
 class Trainer:
     def __init__(self, cfg: Config, dims: ParallelDims, log=print):
         self.cfg, self.dims, self.log = cfg, dims, log
         self.global_batch = GlobalBatch(dims)
         t = cfg.trainer
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.path)
         self.data = PromptDataset(
             cfg.data.train_files, prompts_per_step=cfg.data.prompts_per_step, dp_rank=dims.dp_rank, dp_size=dims.dp,
             seed=t.seed, shuffle=cfg.data.shuffle, prompt_key=cfg.data.prompt_key,
@@ -127,8 +134,12 @@ class Trainer:
         self.dispatch = DispatchGroups(mp_group=dims.mp_group, mp_rank=dist.get_rank(dims.mp_group), mp_size=dist.get_world_size(dims.mp_group),
                                        rollout_group=groups.group, rollout_rank=groups.rank, rollout_size=groups.size)
         stop = tuple(r.stop_token_ids) + ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        for key, ids in (("rollout.stop_token_ids", stop), ("rollout.banned_token_ids", r.banned_token_ids)):
+            check_token_ids(key, ids, self.actor.spec.vocab_size)
+        self.data.check_vocab(self.actor.spec.vocab_size)
         self.sampling = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
-                                       top_k=max(r.top_k, 0), max_new_tokens=r.max_new_tokens, stop_token_ids=stop, seed=t.seed)
+                                       top_k=max(r.top_k, 0), max_new_tokens=r.max_new_tokens, stop_token_ids=stop, seed=t.seed,
+                                       banned_token_ids=tuple(r.banned_token_ids))
         # --- end of rollout construction ----------------------------------------------------------
         self.val_data = None
         if t.val_every_steps and cfg.data.val_files:
@@ -282,7 +293,7 @@ class Trainer:
             scaled = result.scaled_logprobs is not None
             samples.append(Sample(by_index[result.prompt_index], result.sample_index, response,
                                   list(result.scaled_logprobs if scaled else result.logprobs), scaled,
-                                  self.tokenizer.decode(response, skip_special_tokens=True)))
+                                  response_text(self.tokenizer, response, sampling.stop_token_ids)))
         return samples
 
     def _score(self, samples: list[Sample]) -> list[float]:
@@ -373,7 +384,10 @@ class Trainer:
             mask = mb["response_mask"]
             agg = _agg_totals(totals, agg_mode, batch.response_len)
             if actor_cfg.policy_loss == "gspo":
-                pg_loss, metrics = A.gspo_policy_loss(out["logprobs"], mb["old_logprobs"], mb["advantages"], mask, agg=agg_mode, **agg)
+                # GSPO clips a sequence-level ratio: its own bounds (clip_ratio_low/high, GSPO's 3e-4 / 4e-4
+                # when unset); PPO's clip_ratio and dual clip do not apply (validation refuses them)
+                pg_loss, metrics = A.gspo_policy_loss(out["logprobs"], mb["old_logprobs"], mb["advantages"], mask, agg=agg_mode,
+                                                      **_gspo_clip(actor_cfg), **agg)
             else:
                 pg_loss, metrics = A.policy_loss(out["logprobs"], mb["old_logprobs"], mb["advantages"], mask,
                                                  clip_ratio_low=clip_low, clip_ratio_high=clip_high,

@@ -158,10 +158,12 @@ def compute_reinforce_pp_returns(
     """Discounted returns for REINFORCE++ (Hu 2025, https://arxiv.org/abs/2501.03262).
 
     token_rewards, response_mask: [batch, response_len]; returns [batch, response_len] with
-    `G_t = r_t + gamma * G_{t+1}`, where the running return is reset to 0 at every masked token
-    (after the response ends, and at each masked hole) so nothing leaks backwards across it, as in
-    verl. The REINFORCE++ advantage is these returns whitened over the batch: see
-    `compute_reinforce_pp_advantages`.
+    `G_t = r_t + gamma * G_{t+1}` over policy tokens. A masked-out token inside a response (a
+    tool/environment observation in a multi-turn rollout) is skipped as GAE skips it: the running
+    return is carried across it unchanged (no discount step, its reward ignored), so an earlier turn
+    sees the rewards placed after the hole, as in verl 0.9. Masked positions hold the carried return,
+    which the losses never read. The REINFORCE++ advantage is these returns whitened over the
+    batch: see `compute_reinforce_pp_advantages`.
     """
     _check_shapes(token_rewards=token_rewards, response_mask=response_mask)
     if not 0.0 <= gamma <= 1.0:
@@ -170,9 +172,9 @@ def compute_reinforce_pp_returns(
     running = token_rewards.new_zeros(token_rewards.shape[0])
     returns = torch.zeros_like(token_rewards)
     for t in reversed(range(token_rewards.shape[1])):
-        running = token_rewards[:, t] + gamma * running
+        # torch.where, not a product with the mask: rewards on padding may be garbage (even NaN).
+        running = torch.where(is_policy_token[:, t], token_rewards[:, t] + gamma * running, running)
         returns[:, t] = running
-        running = torch.where(is_policy_token[:, t], running, torch.zeros_like(running))
     return returns
 
 

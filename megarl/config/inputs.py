@@ -12,11 +12,13 @@ from megarl import checkpoint_io
 from megarl.config.schema import Config, ConfigError
 
 
-def check_inputs(cfg: Config) -> None:
-    """Every disk check, in the order a user would fix them."""
+def check_inputs(cfg: Config, overrides=()) -> None:
+    """Every disk check, in the order a user would fix them. `overrides`: the command line's
+    key=value pairs (data files typed there are never auto-prepared)."""
     check_resume_path(cfg.trainer.resume)
     check_model_path(cfg)
-    check_data_files(cfg)
+    check_data_files(cfg, overrides)
+    check_rollout_engine(cfg)
 
 
 def check_resume_path(resume: str) -> None:
@@ -35,9 +37,34 @@ def check_model_path(cfg: Config) -> None:
                           f"or set model.make_tiny.enable=true for a tiny random model)")
 
 
-def check_data_files(cfg: Config) -> None:
-    if cfg.data.auto_prepare is None:
-        for path in cfg.data.train_files:
-            if not os.path.isfile(path):
-                raise ConfigError(f"data.train_files: {path} does not exist (write it with launch/prepare_data.py, "
-                                  f"or set data.auto_prepare)")
+def check_data_files(cfg: Config, overrides=()) -> None:
+    """Missing data files are an error, except the config file's own paths under data.auto_prepare
+    (written at start-up); a path typed on the command line is never generated (issue 11)."""
+    from megarl.data.dataset import data_file_problem
+    from megarl.data.prepare import user_data_files
+
+    typed = user_data_files(cfg.data, overrides)
+    for key, paths in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
+        for path in paths:
+            problem = data_file_problem(path)
+            if problem is None or (cfg.data.auto_prepare is not None and path not in typed and not os.path.isdir(path)):
+                continue
+            if cfg.data.auto_prepare is None:
+                fix = "write it with launch/prepare_data.py, or set data.auto_prepare"
+            else:
+                fix = "data.auto_prepare writes only the config file's own paths, not one given on the command line: " \
+                      "write it with launch/prepare_data.py"
+            raise ConfigError(f"{key}: data file {problem} ({fix})")
+
+
+def check_rollout_engine(cfg: Config) -> None:
+    """rollout.engine=vllm / sglang needs that package here (the hf engine is always there)."""
+    import importlib.util
+
+    engine = cfg.rollout.engine
+    if engine == "hf":
+        return
+    spec = importlib.util.find_spec(engine)
+    if spec is None or spec.origin in (None, "namespace"):
+        raise ConfigError(f"rollout.engine={engine}: the {engine} package is not installed here; install it with "
+                          f"pip install 'megarl[{engine}]' on a machine with CUDA, or use rollout.engine=hf")

@@ -19,6 +19,24 @@ from megarl.config.schema import Config, ConfigError, convert, hints
 from megarl.config.validation import validate
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise _DuplicateKey(f"key {key!r} appears twice in one section (lines {seen[key] + 1} and "
+                                    f"{key_node.start_mark.line + 1}); keep one")
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read a YAML config (None = all defaults), apply `key=value` overrides, check values."""
     raw: dict = {}
@@ -27,7 +45,9 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str
             raise ConfigError(f"config file not found: {path}")
         try:
             with open(path) as f:
-                raw = yaml.safe_load(f) or {}
+                raw = yaml.load(f, Loader=_UniqueKeyLoader) or {}
+        except _DuplicateKey as e:
+            raise ConfigError(f"{path}: {e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
         if not isinstance(raw, dict):

@@ -104,6 +104,7 @@ class RolloutConfig:
     top_k: int = knob(-1, "top-k sampling; -1 = off", ge=-1)
     max_new_tokens: int = knob(512, "response length limit, tokens", ge=1)
     stop_token_ids: list[int] = knob([], "extra token ids that end a response (eos always does)")
+    banned_token_ids: list[int] = knob([], "token ids never sampled, in every engine (e.g. pad/bos/unk a policy could learn to emit)")
     gpu_memory_utilization: float = knob(0.5, "fraction of GPU memory the engine may take (vllm/sglang)", gt=0, le=1)
     bucket_bytes: int = knob(512 * 2**20, "bytes per bucket of the actor -> engine weight stream", ge=1)
     verify_weights: bool = knob(True, "after each weight sync, compare engine and actor log-probs and fail loudly")
@@ -254,6 +255,7 @@ class TrainerConfig:
     save_every_steps: int = knob(0, "checkpoint every N steps (and at the end); 0 = never", ge=0)
     keep_last_checkpoints: int = knob(0, "delete older complete checkpoints beyond this many; 0 = keep all", ge=0)
     resume: str = knob("auto", "auto (latest complete checkpoint in run_dir, if any) | never | a checkpoint path")
+    resume_allow_changes: bool = knob(False, "resume even though settings that change results differ from the run's last segment")
     log_every: int = knob(1, "console log interval, steps (metrics.jsonl gets every step)", ge=1)
     val_every_steps: int = knob(0, "validate every N steps on data.val_files; 0 = never", ge=0)
 

@@ -11,7 +11,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
-from megarl.config.schema import ADV_ESTIMATORS_WITH_GROUPS, Config, ConfigError, convert, hints
+from megarl.config.schema import ADV_ESTIMATORS_WITH_GROUPS, ActorConfig, Config, ConfigError, convert, hints
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ def validate(cfg: Config, world_size: int | None = None) -> BatchSizes | None:
     if alg.kl_ctrl.max_coef is not None and alg.kl_ctrl.max_coef < alg.kl_ctrl.min_coef:
         raise ConfigError(f"algorithm.kl_ctrl.max_coef = {alg.kl_ctrl.max_coef} is below "
                           f"algorithm.kl_ctrl.min_coef = {alg.kl_ctrl.min_coef}")
+    _check_unworkable(cfg)
     p = cfg.parallel
     # Accepted by ParallelDims, not yet by the engine's forward paths: refuse rather than run wrong.
     if p.cp != 1:
@@ -62,6 +63,30 @@ def validate(cfg: Config, world_size: int | None = None) -> BatchSizes | None:
     if world_size is None:
         return None
     return _check_layout(cfg, world_size)
+
+
+def _check_unworkable(cfg: Config) -> None:
+    """Values that pass their own checks but cannot work together (issue 11): refused here rather
+    than failing at the first step or being silently ignored."""
+    a, alg, g = cfg.actor, cfg.algorithm, cfg.guards
+    for key, kind in (("algorithm.kl_penalty", alg.kl_penalty), ("actor.kl_loss_type", a.kl_loss_type)):
+        if kind == "full":
+            raise ConfigError(f"{key}=full is the exact KL over the whole vocabulary, which needs the logits the trainer "
+                              f"does not keep; use low_var_kl (k3), kl (k1) or mse (k2), or add + for a k2 gradient")
+    if a.policy_loss == "gspo":
+        default = ActorConfig()
+        for key, value, base in (("actor.clip_ratio", a.clip_ratio, default.clip_ratio),
+                                 ("actor.clip_ratio_c", a.clip_ratio_c, default.clip_ratio_c)):
+            if value != base:
+                raise ConfigError(f"{key} = {value} does not apply to actor.policy_loss=gspo (its sequence-level ratio is "
+                                  f"clipped by actor.clip_ratio_low / clip_ratio_high, default 3e-4 / 4e-4, without dual clip)")
+    uses_ref = alg.use_kl_in_reward or a.use_kl_loss
+    if g.kl_threshold > 0 and not uses_ref:
+        raise ConfigError("guards.kl_threshold > 0 but there is no KL to watch (algorithm.use_kl_in_reward and "
+                          "actor.use_kl_loss are both false): set one of them, or guards.kl_threshold=0")
+    if g.kl_threshold > 0 and g.kl_action == "raise_coef" and not alg.use_kl_in_reward:
+        raise ConfigError("guards.kl_action=raise_coef raises the in-reward KL coefficient, but algorithm.use_kl_in_reward "
+                          "is false so nothing reads it: set algorithm.use_kl_in_reward=true or guards.kl_action=skip_update")
 
 
 def _check_layout(cfg: Config, world_size: int) -> BatchSizes:

@@ -49,11 +49,28 @@ def encode_prompt(tokenizer: Tokenizer, text: str, apply_chat_template: bool = F
     return list(ids)
 
 
+def data_file_problem(path: str) -> str | None:
+    """Why `path` cannot be a data file (missing, a directory, unreadable), or None if it may be;
+    phrased to follow "data file ..." (`data file not found: x.parquet`)."""
+    import os
+
+    if os.path.isdir(path):
+        return f"{path} is a directory, not a Parquet file (list the .parquet files inside it)"
+    if not os.path.exists(path):
+        return f"not found: {path}"
+    if not os.access(path, os.R_OK):
+        return f"{path} is not readable by this user (check its permissions)"
+    return None
+
+
 def read_prompt_files(files: Sequence[str], prompt_key: str = "prompt",
                       ground_truth_key: str = "ground_truth") -> list[dict]:
     """All rows of the Parquet files, in file order; errors name the file and the column."""
     rows = []
     for path in files:
+        problem = data_file_problem(str(path))
+        if problem:
+            raise ValueError(f"data file {problem}")
         try:
             table = pq.read_table(path)
         except FileNotFoundError:
@@ -118,6 +135,16 @@ class PromptDataset:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Every prompt token id must be one the model has: a tokenizer larger than the model's
+        embedding would otherwise fail inside rollout (IndexError; a device-side assert on GPU)."""
+        for r in self.rows:
+            ids = r.get("prompt_ids") or []
+            if ids and max(ids) >= vocab_size:
+                raise ValueError(f"{', '.join(self.files)}: prompt {r['prompt'][:40]!r} has token id {max(ids)}, but the "
+                                 f"model has {vocab_size} tokens (ids 0 .. {vocab_size - 1}): the tokenizer in model.path "
+                                 f"does not belong to its model; use the tokenizer the model was trained with")
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """Row order of an epoch: a permutation seeded by (seed, epoch), or the file order."""

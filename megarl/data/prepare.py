@@ -65,16 +65,18 @@ def read_gsm8k_jsonl(path: str | os.PathLike, split: str) -> list[dict]:
     return rows
 
 
-def gsm8k_sources(input_path: str | os.PathLike | None = None) -> dict[str, Path]:
+def gsm8k_sources(input_path: str | os.PathLike | None = None, option: str = "--input") -> dict[str, Path]:
     """{'train': ..., 'test': ...} JSONL files: a directory with train.jsonl / test.jsonl, or one
-    .jsonl file (used as train); None = ../shared/data/gsm8k next to the repository."""
+    .jsonl file (used as train); None = ../shared/data/gsm8k next to the repository. `option` is
+    the flag or config key that sets input_path, named in the error."""
     source = Path(input_path) if input_path is not None else DEFAULT_GSM8K_DIR
     if source.is_file():
         return {"train": source}
     splits = {s: source / f"{s}.jsonl" for s in ("train", "test") if (source / f"{s}.jsonl").is_file()}
     if "train" not in splits:
-        raise ValueError(f"GSM8K input not found: no {source / 'train.jsonl'} "
-                         f"(give a directory with train.jsonl and test.jsonl, or one .jsonl file)")
+        given = "" if input_path is not None else f" ({option} not given: the default is {DEFAULT_GSM8K_DIR})"
+        raise ValueError(f"GSM8K input not found: no {source / 'train.jsonl'}{given}; set {option} to a directory "
+                         f"with train.jsonl and test.jsonl, or to one .jsonl file")
     return splits
 
 
@@ -106,23 +108,44 @@ def prepare_arithmetic(out_dir: str | os.PathLike, kind: str = "copy", num_digit
     return written
 
 
-def prepare_if_missing(data_cfg) -> bool:
+DATA_FILE_KEYS = ("data.train_files", "data.val_files")
+
+
+def user_data_files(data_cfg, overrides) -> set[str]:
+    """The data files the user typed on the command line (`data.train_files=...` overrides)."""
+    keys = {o.split("=", 1)[0].strip() for o in overrides if "=" in o}
+    paths: set[str] = set()
+    if "data.train_files" in keys:
+        paths.update(data_cfg.train_files)
+    if "data.val_files" in keys:
+        paths.update(data_cfg.val_files)
+    return paths
+
+
+def prepare_if_missing(data_cfg, user_files=()) -> bool:
     """`data.auto_prepare`: write train_files[0] (and val_files[0]) when train_files[0] is missing.
 
-    Returns True when it wrote files. Safe to call on every rank (atomic renames), though rank 0
-    then a barrier saves the duplicate work.
+    Only at the paths the config file names: a file given on the command line (`user_files`, see
+    `user_data_files`) is never generated, whatever auto_prepare says. A typo there would
+    otherwise create directories wherever it points and train on synthetic data; a missing user
+    file is an error instead (`missing_user_files`). Returns True when it wrote files. Safe to
+    call on every rank (atomic renames), though rank 0 then a barrier saves the duplicate work.
     """
     if data_cfg.auto_prepare is None or os.path.exists(data_cfg.train_files[0]):
         return False
     targets = {"train": data_cfg.train_files[0]}
-    if data_cfg.val_files:
+    if data_cfg.val_files and not os.path.exists(data_cfg.val_files[0]):
         targets["test"] = data_cfg.val_files[0]
+    refused = [path for path in targets.values() if path in set(user_files)]
+    if refused:
+        raise ValueError(f"data file {refused[0]} (given on the command line) does not exist; data.auto_prepare "
+                         f"writes only the paths of the config file. Create it with launch/prepare_data.py, or drop the override")
     if data_cfg.auto_prepare == "arithmetic":
         a = data_cfg.arithmetic
         task, sizes = ArithmeticTask(kind=a.kind, num_digits=a.num_digits), {"train": a.train_size, "test": a.val_size}
         rows = {split: arithmetic_rows(task, sizes[split], split) for split in targets}
     else:
-        sources = gsm8k_sources(data_cfg.gsm8k_source)
+        sources = gsm8k_sources(data_cfg.gsm8k_source, option="data.gsm8k_source")
         missing = [split for split in targets if split not in sources]
         if missing:
             raise ValueError(f"data.auto_prepare=gsm8k: no {missing[0]}.jsonl next to {sources['train']}")

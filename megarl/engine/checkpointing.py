@@ -10,9 +10,12 @@ from __future__ import annotations
 import os
 import random
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+
+from megarl.checkpoint_io import UnsafeCheckpointError, check_dcp_metadata, load_plain
 
 # The distributed optimizer's one format that reshards across TP, PP *and* DP in Megatron-Core 0.16
 # (its "fully_sharded_model_space" default uses flattened ranges, which dist_checkpointing now
@@ -55,6 +58,7 @@ def save_engine(engine, path: str) -> float:
 
     start = time.perf_counter()
     os.makedirs(path, exist_ok=True)
+    _results_queue_without_a_server()
     dist.barrier()
     dist_checkpointing.save(_sharded_state_dict(engine, is_loading=False), path)
     if engine.dims.rank == 0:
@@ -66,14 +70,56 @@ def save_engine(engine, path: str) -> float:
     return time.perf_counter() - start
 
 
+class CheckpointMismatch(ValueError):
+    """A checkpoint whose tensors do not match the model being loaded (another architecture or size)."""
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.strip().startswith("Traceback")]
+    text = next((ln for ln in lines if "size" in ln.lower() or "shape" in ln.lower() or "mismatch" in ln.lower()),
+                lines[0] if lines else type(e).__name__)
+    return " ".join(text.split())[:300]
+
+
+def _results_queue_without_a_server() -> None:
+    """Keep Megatron's checkpoint writer from starting processes that outlive a killed run.
+
+    Megatron-Core 0.16's FileSystemWriterAsync collects write results through
+    `multiprocessing.get_context("spawn").Manager().Queue()`: a spawned manager server (a whole
+    Python with torch, ~300 MB) plus multiprocessing's resource tracker, both left running for good
+    when the trainer is killed with SIGKILL. megarl saves synchronously, so the results never
+    leave this process (its forked writers report on their own local queue, and the writer puts the
+    merged result here and reads it back in this same process): a plain in-process queue (no
+    server, no tracker) carries them. Set once, before the first save would create the manager.
+    """
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def load_engine(engine, path: str) -> None:
     """Collective: fill the engine (any layout) from a checkpoint written by `save_engine`."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-    loaded = dist_checkpointing.load(_sharded_state_dict(engine, is_loading=True), path)
+    metadata = os.path.join(path, ".metadata")
+    if os.path.exists(metadata):
+        check_dcp_metadata(metadata)
+    with _plain_bytes_only(path):
+        try:
+            loaded = dist_checkpointing.load(_sharded_state_dict(engine, is_loading=True), path)
+        except UnsafeCheckpointError:
+            raise
+        except (Exception, CheckpointException) as e:  # Megatron reports a mismatch deep inside DCP, as a long traceback
+            raise CheckpointMismatch(
+                f"checkpoint {path} does not fit this model ({_first_line(e)}); it was written for another "
+                f"architecture or size: resume with the model.path it was trained from, or use another trainer.run_dir") from e
     rng_file = _rng_file(path, engine.dims.rank)
     if os.path.exists(rng_file):
-        restore_rng_state(torch.load(rng_file, weights_only=False), engine.dims)
+        restore_rng_state(load_plain(rng_file), engine.dims)
     engine.module.load_state_dict({k[len("model."):]: v for k, v in loaded["model"].items()}, strict=False)
     if not engine.trainable:
         return
@@ -83,7 +129,38 @@ def load_engine(engine, path: str) -> None:
         _load_distributed_optimizer(opt, state)
     extra = os.path.join(path, EXTRA_STATE_FILE)
     if os.path.exists(extra):
-        engine.load_extra_state(torch.load(extra, weights_only=False))
+        engine.load_extra_state(load_plain(extra))
+
+
+@contextmanager
+def _plain_bytes_only(path: str):
+    """torch.distributed.checkpoint unpickles the non-tensor items of a checkpoint ("bytes": e.g.
+    the optimizer's param groups) with torch.load(weights_only=False), so a planted payload would
+    run. While Megatron loads, that loader is replaced by one with weights_only=True."""
+    import io
+    import pickle
+
+    from torch.distributed.checkpoint import default_planner
+
+    original = default_planner.DefaultLoadPlanner.load_bytes
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise UnsafeCheckpointError(
+                f"refusing to load {path}: item {read_item.dest_index.fqn} holds objects other than tensors and plain "
+                f"data ({str(e).strip().splitlines()[0]}); loading it could run code: use a checkpoint you trust") from None
+        if self.flatten_state_dict:
+            default_planner.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+    default_planner.DefaultLoadPlanner.load_bytes = load_bytes
+    try:
+        yield
+    finally:
+        default_planner.DefaultLoadPlanner.load_bytes = original
 
 
 def _load_distributed_optimizer(opt, state: dict) -> None:
@@ -133,13 +210,26 @@ def rng_state(dims) -> dict:
     state = {
         "layout": _layout(dims),
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        # numpy's state holds an ndarray, which weights_only loading refuses: stored as a tensor
+        "numpy": _numpy_state_as_plain(np.random.get_state()),
         "torch": torch.get_rng_state(),
         "megatron": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
+
+
+def _numpy_state_as_plain(state: tuple) -> tuple:
+    name, keys, pos, has_gauss, cached = state
+    return (name, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached))
+
+
+def _numpy_state_from_plain(state: tuple) -> tuple:
+    import numpy as np
+
+    name, keys, pos, has_gauss, cached = state
+    return (name, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
 
 
 def restore_rng_state(state: dict, dims) -> bool:
@@ -150,7 +240,7 @@ def restore_rng_state(state: dict, dims) -> bool:
     if state.get("layout") != _layout(dims):
         return False
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    np.random.set_state(_numpy_state_from_plain(state["numpy"]))
     torch.set_rng_state(state["torch"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron"])
     if "cuda" in state and torch.cuda.is_available():

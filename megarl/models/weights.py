@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -99,6 +100,18 @@ def local_weight_shards(model: torch.nn.Module, spec: ModelSpec, dims: ParallelD
 # --- loading -------------------------------------------------------------------------------------------
 
 
+def _open_safetensors(safe_open, path: Path):
+    """safe_open, with a truncated or corrupt file reported as one ValueError naming it and the fix."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is listed in the model's weight index but does not exist; "
+                                f"copy the complete model directory again")
+    try:
+        return safe_open(path, "pt")
+    except Exception as e:  # safetensors raises its own SafetensorError (not an OSError) on a bad header
+        raise ValueError(f"{path} is truncated or not a safetensors file ({' '.join(str(e).split())}); "
+                         f"copy or download the model again (an interrupted transfer leaves such files)") from None
+
+
 class SafetensorsDir:
     """Lazy, slice-level access to the safetensors files of an HF model directory."""
 
@@ -110,7 +123,7 @@ class SafetensorsDir:
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
         elif (self.dir / "model.safetensors").is_file():
-            with safe_open(self.dir / "model.safetensors", "pt") as f:
+            with _open_safetensors(safe_open, self.dir / "model.safetensors") as f:
                 weight_map = {k: "model.safetensors" for k in f.keys()}
         else:
             raise FileNotFoundError(f"{self.dir} has no model.safetensors or model.safetensors.index.json")
@@ -123,7 +136,7 @@ class SafetensorsDir:
             raise KeyError(f"{self.dir} has no tensor named {name!r}; the checkpoint does not match its config.json")
         fname = self.weight_map[name]
         if fname not in self._open:
-            self._open[fname] = self._safe_open(self.dir / fname, "pt")
+            self._open[fname] = _open_safetensors(self._safe_open, self.dir / fname)
         return self._open[fname]
 
     def read(self, name: str, rows: slice, cols: slice | None = None) -> torch.Tensor:
@@ -230,6 +243,12 @@ def _value_head(model: torch.nn.Module, dims: ParallelDims) -> Iterator[tuple[st
         yield f"score.{name}", t
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def save_hf_checkpoint(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDims, out_dir: str | Path, source_dir: str | Path,
                        max_shard_bytes: int = 2 << 30, critic: bool = False) -> None:
     """Write an HF model directory (safetensors shards + config + tokenizer) from rank 0 (collective)."""
@@ -247,6 +266,9 @@ def save_hf_checkpoint(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDi
         if shard:
             fname = f"model-{len(files) + 1:05d}.safetensors"
             save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+            # safetensors writes 0600; an exported model is meant to be read by others (serving,
+            # evaluation jobs): the mode every other file gets, 0644 under the usual umask 022
+            os.chmod(out_dir / fname, 0o666 & ~_umask())
             files.append(fname)
             weight_map.update({k: fname for k in shard})
         shard, shard_bytes = {}, 0

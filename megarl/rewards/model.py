@@ -19,8 +19,7 @@ class RewardModel:
 
     def __init__(self, model_dir: str, dims: ParallelDims, dtype: str = "float32", max_tokens_per_microbatch: int = 16384,
                  sequence_packing: bool = True):
-        from transformers import AutoTokenizer
-
+        from megarl.data.tokenizer import load_tokenizer
         from megarl.models.weights import SafetensorsDir
 
         if "score.weight" not in SafetensorsDir(model_dir).weight_map:
@@ -29,7 +28,7 @@ class RewardModel:
         self.engine = MegatronEngine(model_dir, dims, EngineConfig(dtype=dtype, max_tokens_per_microbatch=max_tokens_per_microbatch,
                                                                  sequence_packing=sequence_packing),
                                      value_head=True, trainable=False)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = load_tokenizer(model_dir, key="reward.model_path")
 
     def __call__(self, prompts: Sequence[str], responses: Sequence[str], ground_truths: Sequence[str],
                  data_sources: Sequence[str], extras: Sequence[dict]) -> list[float]:

@@ -28,6 +28,10 @@ class SamplingParams:
     stop_token_ids: generation of a sample stops after it emits one of these (the stop token is
         part of the response). Put the EOS id(s) here: megarl engines stop on nothing else, while
         vLLM also stops on the model's own EOS (see docs/rollout.md).
+    banned_token_ids: tokens that are never sampled (greedy included), e.g. pad/bos/unk, which a
+        policy could otherwise learn to emit. Removed from the sampled distribution like top-k
+        removes tokens (`processed` log-probs renormalise without them; scaled log-probs do not).
+        hf applies it in megarl.rollout.sampling, vLLM and SGLang through their logit_bias.
     seed: the run seed that `make_sample_seed` mixes with (step, prompt index, sample index).
     """
 
@@ -38,6 +42,7 @@ class SamplingParams:
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
+    banned_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.n < 1:
@@ -51,6 +56,13 @@ class SamplingParams:
         if self.max_new_tokens < 1:
             raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "banned_token_ids", tuple(sorted({int(t) for t in self.banned_token_ids})))
+        both = set(self.stop_token_ids) & set(self.banned_token_ids)
+        if both:
+            raise ValueError(f"SamplingParams: token ids {sorted(both)} are both stop tokens and banned; "
+                             f"a banned stop token could never end a response")
+        if any(t < 0 for t in self.banned_token_ids):
+            raise ValueError(f"SamplingParams.banned_token_ids must be >= 0, got {list(self.banned_token_ids)}")
 
     @property
     def greedy(self) -> bool:

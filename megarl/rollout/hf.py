@@ -100,7 +100,8 @@ class HFRolloutEngine:
         scaled_lps: list[list[float]] = [[] for _ in range(B)]
         finish: list[str | None] = [None] * B
         for _ in range(sampling.max_new_tokens):
-            processed, scaled = process_logits(out.logits[:, -1, :], sampling.temperature, sampling.top_k, sampling.top_p)
+            processed, scaled = process_logits(out.logits[:, -1, :], sampling.temperature, sampling.top_k, sampling.top_p,
+                                               sampling.banned_token_ids)
             live = [g if finish[i] is None else None for i, g in enumerate(generators)]
             tok = sample_rows(processed, live, sampling.greedy)
             tok_lp = processed.gather(-1, tok[:, None]).squeeze(-1).tolist()

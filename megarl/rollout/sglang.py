@@ -89,6 +89,7 @@ def to_sglang_sampling(sampling: SamplingParams, seed: int) -> dict[str, Any]:
         "top_k": sampling.top_k if sampling.top_k > 0 else -1,
         "stop_token_ids": list(sampling.stop_token_ids),
         "sampling_seed": seed,
+        **({"logit_bias": {str(t): float("-inf") for t in sampling.banned_token_ids}} if sampling.banned_token_ids else {}),
     }
 
 

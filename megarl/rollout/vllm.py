@@ -140,11 +140,13 @@ def to_vllm_sampling(vllm, sampling: SamplingParams, seed: int):
     ignore_eos: stop on `stop_token_ids` only, as every megarl engine does (the trainer puts the
     tokenizer's EOS there). Without it vLLM also stops on the model's EOS and on generation_config's
     eos_token_id list, which the hf engine does not (the stop ids are still honoured with it).
+    Banned tokens (rollout.banned_token_ids) get a -inf logit bias, vLLM's own way to forbid them.
     """
+    banned = {"logit_bias": {t: float("-inf") for t in sampling.banned_token_ids}} if sampling.banned_token_ids else {}
     return vllm.SamplingParams(
         n=1, seed=seed, logprobs=0, max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
         top_p=sampling.top_p, top_k=sampling.top_k, stop_token_ids=list(sampling.stop_token_ids), detokenize=False,
-        ignore_eos=True,
+        ignore_eos=True, **banned,
     )
 
 

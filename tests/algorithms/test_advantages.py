@@ -90,19 +90,28 @@ def test_grpo_rejects_token_level_scores():
         compute_grpo_advantages(torch.ones(2, 3), [0, 0], torch.ones(2, 3))
 
 
-def test_reinforce_pp_returns_reset_at_masked_tokens_and_whitening():
+def test_reinforce_pp_returns_carry_across_masked_holes_and_whitening():
     gamma = 0.5
     rewards = t([[1, 0, 2, 5], [0, 4, 0, 8]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 1, 1]])
     returns = compute_reinforce_pp_returns(rewards, mask, gamma)
-    # row 0: t3 (padding) 5, then reset; t2 2; t1 0 + 0.5*2 = 1; t0 1 + 0.5*1 = 1.5
-    # row 1: t3 8; t2 0 + 4 = 4; t1 (hole) 4 + 2 = 6, then reset; t0 0 + 0 = 0
-    torch.testing.assert_close(returns, t([[1.5, 1, 2, 5], [0, 6, 4, 8]]))
+    # row 0: t3 (padding) reward 5 ignored, carries 0; t2 2; t1 0 + 0.5*2 = 1; t0 1 + 0.5*1 = 1.5
+    # row 1: t3 8; t2 0 + 0.5*8 = 4; t1 (hole) reward 4 ignored, 4 carried undiscounted; t0 0 + 0.5*4 = 2
+    # (the old reset-at-holes definition gave t0 = 0: the first turn never saw the final reward)
+    torch.testing.assert_close(returns, t([[1.5, 1, 2, 0], [2, 4, 4, 8]]))
     adv, ret = compute_reinforce_pp_advantages(rewards, mask, gamma)
-    # valid returns {1.5, 1, 2, 0, 4, 8}: mean 16.5/6 = 2.75, squared deviations sum 41.875, var 41.875/5
-    expected = (returns - 2.75) / math.sqrt(41.875 / 5 + 1e-8) * mask
+    # valid returns {1.5, 1, 2, 2, 4, 8}: mean 18.5/6, squared deviations sum 33.208.., unbiased var / 5
+    valid = t([1.5, 1, 2, 2, 4, 8])
+    mean, var = valid.mean(), ((valid - valid.mean()) ** 2).sum() / 5
+    assert abs(float(mean) - 18.5 / 6) < 1e-12
+    expected = (returns - mean) / torch.sqrt(var + 1e-8) * mask
     torch.testing.assert_close(adv, expected)
     torch.testing.assert_close(ret, returns)
+
+
+def test_reinforce_pp_ignores_nan_rewards_on_masked_tokens():
+    returns = compute_reinforce_pp_returns(t([[1, float("nan"), 2]]), torch.tensor([[1, 0, 1]]), gamma=1.0)
+    torch.testing.assert_close(returns, t([[3, 2, 2]]))
 
 
 def test_remax():

@@ -102,12 +102,14 @@ def verl_rloo(token_level_rewards, response_mask, index):
 
 
 def verl_reinforce_pp(token_level_rewards, response_mask, gamma):
+    # verl 0.9 carries the running return across observation tokens the way its GAE carries
+    # nextvalues / lastgaelam (verl <= 0.8 reset it to 0 there: `running_return * response_mask[:, t]`).
     returns = torch.zeros_like(token_level_rewards)
     running_return = 0
     for t in reversed(range(token_level_rewards.shape[1])):
-        running_return = token_level_rewards[:, t] + gamma * running_return
+        running_return_ = token_level_rewards[:, t] + gamma * running_return
+        running_return = running_return_ * response_mask[:, t] + (1 - response_mask[:, t]) * running_return
         returns[:, t] = running_return
-        running_return = running_return * response_mask[:, t]
     return verl_masked_whiten(returns, response_mask) * response_mask, returns
 
 

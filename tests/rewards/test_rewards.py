@@ -47,7 +47,7 @@ def test_auto_picks_the_rule_from_the_data_source():
     assert scores == [1.0, pytest.approx(2 / 3)]
     with pytest.raises(ValueError, match="no rule reward for data_source 'mystery'"):
         fn(["q"], ["a"], ["a"], ["mystery"], [{}])
-    assert isinstance(build_reward_fn(RewardConfig(kind="gsm8k")), RuleReward)
+    assert isinstance(build_reward_fn(RewardConfig(kind="gsm8k")).inner, RuleReward)
 
 
 def _write_module(tmp_path, monkeypatch, body: str, name: str = "my_reward_mod"):
@@ -63,7 +63,7 @@ def test_user_function_by_module_and_by_file(tmp_path, monkeypatch):
         "    return {'score': float(solution_str == ground_truth) + extra_info.get('bonus', 0)}\n"))
     for spec in ("my_reward_mod:compute_score", f"{path}:compute_score"):
         fn = build_reward_fn(RewardConfig(kind="function", function=spec))
-        assert isinstance(fn, UserFunctionReward)
+        assert isinstance(fn.inner, UserFunctionReward)
         assert fn(["p", "p"], ["a", "b"], ["a", "a"], ["s", "s"], [{}, {"bonus": 0.5}]) == [1.0, 0.5]
 
 
@@ -84,6 +84,6 @@ def test_reward_model_is_handed_in_by_the_trainer():
     def model(prompts, responses, ground_truths, data_sources, extras):
         return [0.5] * len(responses)
 
-    assert build_reward_fn(RewardConfig(kind="model", model_path="rm"), reward_model=model) is model
+    assert build_reward_fn(RewardConfig(kind="model", model_path="rm"), reward_model=model).inner is model
     with pytest.raises(ConfigError, match="the trainer must build the reward model"):
         build_reward_fn(RewardConfig(kind="model", model_path="rm"))

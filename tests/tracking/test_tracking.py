@@ -83,3 +83,28 @@ def test_jsonl_only_and_non_zero_ranks(tmp_path):
     tracker.log({"a": 2.0}, 1)
     tracker.close()
     assert _lines(tmp_path / "r") == [{"step": 1, "a": 2.0}]
+
+
+def test_steps_re_run_after_a_resume_leave_one_mlflow_point_each(tmp_path):
+    # Issue 11, item 9: metrics.jsonl dropped the re-run steps, MLflow kept both points of each.
+    import mlflow
+
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, BASE + [f"trainer.run_dir={run_dir}", "tracking.experiment=megarl-dup",
+                                    "tracking.progress_bar=false"])
+    tracker = Tracker(cfg.tracking, run_dir, total_steps=4, params=flatten(cfg))
+    for step in (1, 2, 3, 4):
+        tracker.log({"critic/score/mean": float(step)}, step)
+    tracker.event("kl_guard", 4, kl=2.5)
+    tracker.close("KILLED")
+    tracker = Tracker(cfg.tracking, run_dir, total_steps=4, start_step=3, resume=True, params=flatten(cfg))
+    for step in (3, 4):
+        tracker.log({"critic/score/mean": 10.0 * step}, step)
+    tracker.close()
+
+    client = mlflow.MlflowClient(default_tracking_uri(run_dir))
+    history = sorted((m.step, m.value) for m in client.get_metric_history(tracker.run_id, "critic/score/mean"))
+    assert history == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+    metrics = client.get_run(tracker.run_id).data.metrics
+    assert metrics["critic/score/mean"] == 40.0 and "events/kl_guard" not in metrics  # the abandoned step's event
+    assert [ln["step"] for ln in _lines(run_dir)] == [1, 2, 3, 4]

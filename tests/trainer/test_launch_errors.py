@@ -26,8 +26,21 @@ def run_launch(args: list[str], world_size: int = 1) -> subprocess.CompletedProc
         (["--config", "configs/tiny_cpu.yaml", "model.make_tiny.enable=false", "model.path=/nonexistent/model"], 1,
          "/nonexistent/model"),  # missing model directory
         (["--config", "configs/tiny_cpu.yaml", "data.prompts_per_step=33"], 2, "not divisible"),  # batch sizes
+        # issue 11: a typed data path is never auto-prepared; a directory is called a directory
+        (["--config", "configs/tiny_cpu.yaml", "data.train_files=[/nonexistent/x.parquet]"], 1,
+         "not one given on the command line"),
+        (["--config", "configs/tiny_cpu.yaml", "data.auto_prepare=null", "data.train_files=[/tmp]"], 1, "/tmp is a directory"),
+        # issue 11: values that validated but could not work
+        (["--config", "configs/tiny_cpu.yaml", "algorithm.kl_penalty=full"], 1, "needs the logits"),
+        (["--config", "configs/tiny_cpu.yaml", "actor.use_kl_loss=true", "actor.kl_loss_type=full"], 1, "actor.kl_loss_type=full"),
+        (["--config", "configs/tiny_cpu.yaml", "actor.policy_loss=gspo", "actor.clip_ratio=0.3"], 1,
+         "does not apply to actor.policy_loss=gspo"),
+        (["--config", "configs/tiny_cpu.yaml", "actor.use_kl_loss=true", "guards.kl_threshold=0.1",
+          "guards.kl_action=raise_coef"], 1, "nothing reads it"),
+        (["--config", "configs/tiny_cpu.yaml", "guards.kl_threshold=0.1"], 1, "no KL to watch"),
     ],
-    ids=["unknown-key", "wrong-type", "layout", "enum", "missing-data", "missing-config", "missing-model", "batch-size"],
+    ids=["unknown-key", "wrong-type", "layout", "enum", "missing-data", "missing-config", "missing-model", "batch-size",
+         "typed-data-path", "data-dir", "kl-penalty-full", "kl-loss-full", "gspo-clip", "raise-coef-unread", "kl-guard-no-kl"],
 )
 def test_misconfiguration_exits_2_with_one_line(args, world, expected):
     proc = run_launch(args, world)
@@ -36,3 +49,48 @@ def test_misconfiguration_exits_2_with_one_line(args, world, expected):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
     assert expected in lines[0], lines[0]
+
+
+def test_typed_data_path_is_not_created(tmp_path):
+    typed = tmp_path / "nonexistent" / "x.parquet"
+    proc = run_launch(["--config", "configs/tiny_cpu.yaml", f"data.train_files=[{typed}]"])
+    assert proc.returncode == 2 and not (tmp_path / "nonexistent").exists(), proc.stderr
+
+
+def test_duplicate_yaml_keys_are_refused(tmp_path):
+    config = tmp_path / "dup.yaml"
+    config.write_text("trainer:\n  total_steps: 3\n  seed: 1\n  total_steps: 5\n")
+    proc = run_launch(["--config", str(config)])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "key 'total_steps' appears twice in one section (lines 2 and 4)" in proc.stderr
+
+
+def test_missing_vllm_is_a_config_error():
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is not None and spec.origin not in (None, "namespace"):
+        pytest.skip("vllm is installed here")
+    proc = run_launch(["--config", "configs/tiny_cpu.yaml", "rollout.engine=vllm"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "rollout.engine=vllm: the vllm package is not installed here" in proc.stderr
+
+
+def test_a_run_dir_in_use_is_refused_naming_the_holder(tmp_path):
+    import os
+
+    from megarl.checkpoint_io import RunDirLock
+
+    with RunDirLock(tmp_path / "run"):
+        proc = run_launch(["--config", "configs/tiny_cpu.yaml", f"trainer.run_dir={tmp_path / 'run'}",
+                           f"model.path={tmp_path / 'model'}"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"pid {os.getpid()}" in proc.stderr and "another trainer.run_dir" in proc.stderr
+    assert not (tmp_path / "model").exists()  # refused before anything was created
+
+
+@pytest.mark.multiprocess
+def test_a_config_error_under_torchrun_is_printed_once():
+    proc = torchrun(2, ["launch/ppo.py", "--config", "configs/tiny_cpu.yaml", "parallel.tp=two"], timeout=300, check=False)
+    assert proc.returncode != 0
+    assert proc.stderr.count("config error: parallel.tp") == 1, proc.stderr

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ppo_helpers import REPO, launch_ok, read_metrics, small_run_overrides
+from ppo_helpers import REPO, launch, launch_ok, prepared_data, read_metrics, small_run_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # torchrun, 2 ranks (one single-process run)
 
@@ -35,8 +35,14 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     launch_ok(2, small_run_overrides(tmp_path, split, **{"trainer.total_steps": 2, "trainer.save_every_steps": 2}, **extra))
     # A save killed half-way leaves a temporary directory: resume must ignore it.
     (split / "checkpoints" / "step_00000003.tmp-step3" / "actor").mkdir(parents=True)
+    # A changed learning rate would make the resumed run differ from the straight one: refused (issue 11).
+    refused = launch(2, small_run_overrides(tmp_path, split, **{"trainer.total_steps": 4, "actor.optim.lr": 2e-3}, **extra))
+    assert refused.returncode != 0 and refused.stderr.count("trainer.resume_allow_changes=true") == 1, refused.stderr
     proc = launch_ok(2, small_run_overrides(tmp_path, split, **{"trainer.total_steps": 4}, **extra))
     assert "resumed from" in proc.stdout and "step_00000002" in proc.stdout
+    # total_steps under a constant schedule: shown, allowed; each segment's config kept
+    assert "trainer.total_steps: 2 -> 4 (does not change results)" in proc.stdout
+    assert sorted(p.name for p in (split / "config_history").glob("*.yaml")) == ["step_00000001.yaml", "step_00000003.yaml"]
     a, b = read_metrics(straight), read_metrics(split)
     assert len(a) == len(b) == 4
     _assert_close(a, b, rel=1e-6, keys=COMPARED + ("actor/reward_kl_penalty_coeff", "critic/values/mean"))
@@ -73,9 +79,28 @@ def single_process_run(tmp_path_factory):
     return run_dir
 
 
+# The smallest split validation accepts: 2 prompts x 2 samples = 4 responses per step, cut into
+# mini-batches of one response per DP rank (dp2: 2 mini-batches of 2; tp2: 4 mini-batches of 1),
+# against one process cutting the same global mini-batches.
+SMALLEST = {"data.prompts_per_step": 2, "rollout.samples_per_prompt": 2, "trainer.total_steps": 2}
+
+
+@pytest.mark.parametrize("nproc,tp,mini_batches", [(2, 1, 2), (2, 2, 4)], ids=["dp2", "tp2"])
+def test_same_run_under_every_layout_at_the_smallest_split(tmp_path_factory, nproc, tp, mini_batches):
+    root = tmp_path_factory.mktemp(f"smallest_tp{tp}")
+    split = {**SMALLEST, "actor.ppo_mini_batches": mini_batches, "critic.ppo_mini_batches": mini_batches}
+    launch_ok(0, small_run_overrides(root, root / "single", **split))
+    launch_ok(nproc, small_run_overrides(root, root / "parallel", **split, **{"parallel.tp": tp}))
+    single, parallel = read_metrics(root / "single"), read_metrics(root / "parallel")
+    assert len(single) == len(parallel) == 2
+    _assert_close(single, parallel, rel=1e-3)
+
+
 def test_demo_learns_and_is_tracked(tmp_path):
-    """The README's demo, as a new user runs it (only the paths moved into tmp_path)."""
+    """The README's demo, as a new user runs it (only the paths moved into tmp_path), and its
+    figure: greedy exact match (digits then eos) on the held-out prompts, measured as README says."""
     run_dir = tmp_path / "run"
+    prepared_data(tmp_path, train_size=20000, val_size=256)  # the demo's sizes (auto_prepare writes no typed path)
     overrides = [f"trainer.run_dir={run_dir}", f"model.path={tmp_path / 'model'}",
                  f"data.train_files=[{tmp_path / 'train.parquet'}]", f"data.val_files=[{tmp_path / 'test.parquet'}]",
                  "tracking.progress_bar=false"]
@@ -93,10 +118,11 @@ def test_demo_learns_and_is_tracked(tmp_path):
     mlflow.set_tracking_uri(default_tracking_uri(run_dir))
     runs = mlflow.search_runs(experiment_names=["megarl-demo"])
     assert len(runs) == 1
-    assert runs["params.actor.optim.lr"].iloc[0] == "0.001"
+    assert runs["params.actor.optim.lr"].iloc[0] == "0.0005"
     assert runs["metrics.critic/score/mean"].iloc[0] == pytest.approx(scores[-1])
 
-    # The final checkpoint exports to a directory transformers loads.
+    # The final checkpoint exports to a directory transformers loads, which answers the held-out
+    # prompts exactly (digits then eos) with greedy decoding: the README's figure, >= 0.9.
     ckpt = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
     out = tmp_path / "hf"
     subprocess.run([sys.executable, "-m", "megarl.tools.export_hf", "--ckpt", str(ckpt), "--out", str(out)],
@@ -105,6 +131,11 @@ def test_demo_learns_and_is_tracked(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.num_hidden_layers == 2
+    measured = subprocess.run([sys.executable, "-m", "megarl.tools.eval_exact_match", "--model", str(out),
+                               "--data", str(tmp_path / "test.parquet"), "--run-config", str(run_dir / "config.yaml")],
+                              cwd=REPO, check=True, capture_output=True, text=True, timeout=300)
+    result = json.loads(measured.stdout.strip().splitlines()[-1])
+    assert result["total"] == 256 and result["exact_match"] >= 0.9, result
 
 
 def test_reward_collapse_guard_rolls_back_and_halves_lr(tmp_path):
