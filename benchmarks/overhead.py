@@ -14,7 +14,9 @@ count per update. Reported: median seconds per update, ratio_megarl_over_baselin
 the two lengths' ratios at the top level, every length in "by_seq_len"), and model FLOPs
 utilisation: FLOPs of the update (8 x non-embedding params per token for forward + forward +
 backward, plus causal attention) per second over the device's peak (--peak-tflops on GPU; on CPU
-the measured float32 matmul rate of this process, measured in the same run).
+the best float32 matmul rate this process reached, measured every round of the same run;
+on a CPU shared with other jobs that best rate can still be below the idle peak, so MFU there is
+an upper bound and the ratio is the number to read).
 
 --ppo-steps instead measures whole PPO steps of the CPU demo (configs/tiny_cpu.yaml through
 launch/ppo.py, as benchmarks/step_time.py does): 1 against 2 data-parallel processes at the same
@@ -71,6 +73,7 @@ def main() -> int:
     dense += vocab * hidden  # the output projection is a matmul
     peak = args.peak_tflops * 1e12 if gpu else cpu_matmul_flops()
 
+    mfu = {}
     by_len = {}
     for seq in args.seq_lens:
         batch = make_batch(args.tokens // seq, seq, vocab)
@@ -81,26 +84,33 @@ def main() -> int:
         for r in range(args.rounds):
             for side in (("megarl", "baseline") if r % 2 == 0 else ("baseline", "megarl")):
                 times[side].append(timed(runs[side], gpu))
+            if not gpu:  # a loaded CPU's matmul rate swings: keep the best seen during the run
+                peak = max(peak, cpu_matmul_flops())
         tokens = args.tokens
         # forward (old log-probs) + forward + backward = 8 flops per param per token; causal attention
         # 4 * s * h per token per layer forward (QK^T and PV, halved by causality), x3 with backward.
         flops = 8 * dense * tokens + (4 + 12) * layers * seq * hidden * tokens // 2
         med = {side: statistics.median(t) for side, t in times.items()}
+        mfu[str(seq)] = (flops, med)
         by_len[str(seq)] = {
             "sequences": args.tokens // seq, "seconds_megarl": [round(t, 4) for t in times["megarl"]],
             "seconds_baseline": [round(t, 4) for t in times["baseline"]],
             "ratio_megarl_over_baseline": round(med["megarl"] / med["baseline"], 3),
-            "mfu_megarl": round(flops / med["megarl"] / peak, 4), "mfu_baseline": round(flops / med["baseline"] / peak, 4),
+            # Each round's two runs are neighbours in time: their ratio is less exposed to load swings.
+            "ratio_per_round_median": round(statistics.median(m / b for m, b in zip(times["megarl"], times["baseline"])), 3),
         }
+    for seq, (flops, med) in mfu.items():  # against the final (best) peak
+        by_len[seq].update(mfu_megarl=round(flops / med["megarl"] / peak, 4), mfu_baseline=round(flops / med["baseline"] / peak, 4))
     worst = max(by_len.values(), key=lambda r: r["ratio_megarl_over_baseline"])
     result = {
         "ratio_megarl_over_baseline": worst["ratio_megarl_over_baseline"],
         "mfu_megarl": worst["mfu_megarl"], "mfu_baseline": worst["mfu_baseline"],
         "by_seq_len": by_len,
         "preset": args.preset, "tokens_per_update": args.tokens, "dtype": str(dtype).removeprefix("torch."),
-        "peak_flops": peak, "peak_source": "--peak-tflops" if gpu else "measured float32 matmul, this process",
+        "peak_flops": peak, "peak_source": "--peak-tflops" if gpu else "best measured float32 matmul rate of this process during the run",
         "command": "torchrun --standalone --nproc_per_node 1 benchmarks/overhead.py " + " ".join(
-            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, (list, tuple)) else v}" for k, v in vars(args).items()),
+            f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, (list, tuple)) else v}" for k, v in vars(args).items()
+            if k in ("preset", "tokens", "seq_lens", "rounds", "out") or (gpu and k == "peak_tflops")),
         "machine": {"device": device_name(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "python": platform.python_version()},
         "load_average_1_5_15": list(os.getloadavg()),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
