@@ -282,16 +282,33 @@ class MegatronEngine:
         return stats
 
     def _optimizer_step(self, skip_above: float | None, stats: TrainStats) -> float:
+        # prepare_grads (grad copy; the found-inf collective only with a loss scaler, i.e. not in
+        # float32/bf16) and the global norm (one collective) run once. optimizer.step() would
+        # redo both before clipping with the very same norm.
         found_inf = self.optimizer.prepare_grads()
-        grad_norm = float("nan") if found_inf else float(self.optimizer.get_grad_norm())
+        norm = None if found_inf else self.optimizer.get_grad_norm()
+        grad_norm = float("nan") if norm is None else float(norm)
         if not math.isfinite(grad_norm) or (skip_above is not None and grad_norm > skip_above):
             stats.skipped_steps += 1
             self.optimizer.zero_grad()
             return grad_norm
-        self.optimizer.step()  # clips to max_grad_norm with the same global norm, then Adam
+        self._clip_to(norm)
+        self.optimizer.step_with_ready_grads()  # Adam (and the distributed optimizer's all-gather)
         self.scheduler.step(increment=1)
         self.optimizer_steps += 1
         return grad_norm
+
+    def _clip_to(self, total_norm) -> None:
+        """Scale the main grads to max_grad_norm given their global norm, as optimizer.step() does."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if getattr(optimizer, "is_stub_optimizer", False) or optimizer.config.clip_grad <= 0.0:
+                continue
+            parameters = optimizer.get_parameters()
+            if parameters:
+                clip_grad_by_total_norm_fp32(parameters, max_norm=optimizer.config.clip_grad, total_norm=total_norm,
+                                             use_decoupled_grad=optimizer.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
 
     def _global_count(self, local: int) -> int:
         return int(self._over_dp(torch.tensor([local], dtype=torch.long)))

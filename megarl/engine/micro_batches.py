@@ -24,7 +24,6 @@ from typing import Callable, Sequence
 
 import torch
 
-from megarl.data.batching import pad_right
 from megarl.engine.batch import SequenceBatch, response_positions
 
 AgreeMax = Callable[[list[int]], list[int]]
@@ -36,6 +35,14 @@ class Plan:
     bins: list[list[int | None]]  # batch rows per micro-batch; None = a filler row, masked out
     width: int  # tokens per row: the packed micro-batch length, or the padded sequence length
     packed: bool
+
+    def padding_fraction(self, lengths: Sequence[int]) -> float:
+        """Share of the planned token slots (rows x width; a packed micro-batch is one row) that no
+        real token of `lengths` fills."""
+        rows = len(self.bins) if self.packed else sum(len(b) for b in self.bins)
+        slots = rows * self.width
+        real = sum(lengths[r] for b in self.bins for r in b if r is not None)
+        return 1.0 - real / slots
 
 
 def balanced_bins(lengths: Sequence[int], k: int) -> list[list[int]]:
@@ -77,10 +84,14 @@ def plan_packed(lengths: Sequence[int], budget: int, agree_max: AgreeMax, multip
 
 
 def plan_padded(lengths: Sequence[int], budget: int, agree_max: AgreeMax) -> Plan:
-    """Rows in order, as many per micro-batch as the budget allows at the step's longest length."""
+    """Rows in order over the fewest micro-batches the budget allows at the step's longest length,
+    spread evenly: every micro-batch has ceil(rows / micro-batches) rows, so filler rows (which keep
+    the shapes equal for pipeline stages and across DP ranks) number fewer than the micro-batches.
+    Filling each micro-batch to the budget instead made a cliff: 32 rows at 30 per micro-batch
+    became 2 x 30 rows, 28 of them filler."""
     width, count = agree_max([max(lengths, default=len(FILLER)), len(lengths)])
-    per_mb = max(1, min(count, budget // width))
-    num = max(1, math.ceil(count / per_mb))
+    num = max(1, math.ceil(count / max(1, min(count, budget // width))))
+    per_mb = max(1, math.ceil(count / num))
     rows: list[int | None] = list(range(len(lengths))) + [None] * (num * per_mb - len(lengths))
     return Plan([rows[k * per_mb : (k + 1) * per_mb] for k in range(num)], width, packed=False)
 
@@ -106,7 +117,10 @@ def build(plan: Plan, batch: SequenceBatch, rows: Sequence[int], fields: Sequenc
 
 def _padded(seqs: list[list[int]], width: int, device) -> tuple[dict, torch.Tensor]:
     """The micro-batch's model inputs, and where each sequence starts in its flattened outputs."""
-    ids, _ = pad_right(seqs, pad_id=0, length=width)
+    # One scatter of all tokens (a tensor per row cost 4.7% of the demo's time).
+    lens = torch.tensor([len(s) for s in seqs])
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    ids[torch.arange(width) < lens.unsqueeze(1)] = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
     return {"input_ids": ids.to(device)}, torch.arange(len(seqs)) * width
 
 

@@ -1,6 +1,6 @@
 """ModelSpec + ParallelDims -> Megatron-Core GPTModel (one pipeline stage's chunk of it).
 
-Local (pure PyTorch) layer specs on CPU; Transformer-Engine specs on GPU when TE is installed.
+Local (pure PyTorch) layer specs with megarl's SDPA core attention on CPU and wherever TE is absent; Transformer-Engine specs on GPU when TE is installed.
 Weight conversion (`megarl.models.convert`) understands both naming schemes.
 """
 from __future__ import annotations
@@ -118,15 +118,16 @@ def layer_spec(spec: ModelSpec, use_te: bool | None = None):
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    from megarl.models.packed_attention import PackedDotProductAttention
+    from megarl.models.attention import SDPACoreAttention
 
     if use_te is None:
         use_te = not current_platform().is_cpu and have_transformer_engine()
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(num_experts=spec.num_experts, qk_layernorm=spec.qk_norm)
     local = get_gpt_layer_local_spec(num_experts=spec.num_experts, qk_layernorm=spec.qk_norm, normalization="RMSNorm")
-    # Megatron's local attention refuses packed (thd) micro-batches; ours runs it per length group.
-    local.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    # Megatron's local attention materialises the scores and refuses packed (thd) micro-batches;
+    # ours runs scaled_dot_product_attention, per length group when packed.
+    local.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return local
 
 

@@ -5,8 +5,9 @@ in one row, their boundaries in `PackedSeqParams.cu_seqlens_q`) through the whol
 restarts at every boundary (`rope_utils._apply_rotary_pos_emb_thd`), and the MLPs, norms and
 MoE routing are per-token anyway. Only the core attention must not look across a boundary, and
 Megatron's own local `DotProductAttention` refuses `thd` input (TE's fused kernels handle it on
-GPU). This subclass lays sequences of similar length (within a factor of two) side by side as a
-right-padded batch and runs Megatron's attention once per such group: the math of the padded
+GPU). `attend_packed` lays sequences of similar length (within a factor of two) side by side as a
+right-padded batch and runs a padded attention once per such group (megarl's SDPA core
+attention, or Megatron's own in `PackedDotProductAttention`): the math of the padded
 layout (causal, so a sequence's own padding never reaches its tokens), at most twice the length of
 padding inside the attention and at most ~log2(longest) calls, while every other layer sees no
 padding at all.
@@ -18,37 +19,55 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 
 class PackedDotProductAttention(DotProductAttention):
+    """Megatron's local attention extended to `thd` input (the reference `SDPACoreAttention` is checked against)."""
+
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         if packed_seq_params is None:
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
-        if packed_seq_params.qkv_format != "thd":
-            raise ValueError(f"packed sequences in format {packed_seq_params.qkv_format!r}: only 'thd' is supported")
-        if packed_seq_params.cu_seqlens_q_padded is not None or packed_seq_params.cu_seqlens_kv_padded is not None:
-            raise ValueError("padded cu_seqlens (context parallelism) are not supported by the local attention")
-        cu = packed_seq_params.cu_seqlens_q
-        if not torch.equal(cu, packed_seq_params.cu_seqlens_kv):
-            raise ValueError("self-attention on packed sequences needs cu_seqlens_kv == cu_seqlens_q")
-        # thd tensors are [tokens, heads, head_dim]. Token i of the pack is position pos[i] of
-        # segment seg[i]; a group's batch is [its longest segment, its segments, heads, head_dim].
-        device = query.device
-        lens = (cu[1:] - cu[:-1]).long().to(device)
-        seg = torch.repeat_interleave(torch.arange(len(lens), device=device), lens)
-        pos = torch.arange(query.shape[0], device=device) - cu[:-1].long().to(device)[seg]
-        group_of_seg = torch.log2(lens.clamp_min(1).double()).floor().long()
-        order, pieces = [], []
-        for group in group_of_seg.unique().tolist():
-            members = (group_of_seg == group).nonzero().squeeze(1)
-            slot = torch.full_like(lens, -1)
-            slot[members] = torch.arange(len(members), device=device)
-            tokens = (group_of_seg[seg] == group).nonzero().squeeze(1)
-            where = (pos[tokens], slot[seg[tokens]])
-            shape = (int(lens[members].max()), len(members))
-            q, k, v = (_right_padded(t[tokens], where, shape) for t in (query, key, value))
-            # attention_mask None: the parent's softmax builds the causal mask.
-            context = super().forward(q, k, v, None, attn_mask_type, attention_bias)
-            pieces.append(context[where])
-            order.append(tokens)
-        return torch.cat(pieces)[torch.argsort(torch.cat(order))]  # [tokens, heads * head_dim], pack order
+        # attention_mask None: the parent's softmax builds the causal mask.
+        return attend_packed(query, key, value, packed_seq_params,
+                             lambda q, k, v: super(PackedDotProductAttention, self).forward(q, k, v, None, attn_mask_type, attention_bias))
+
+
+def attend_packed(query, key, value, packed_seq_params, attend_padded) -> torch.Tensor:
+    """Causal self-attention of `thd` tensors ([tokens, heads, head_dim]) by length groups.
+
+    `attend_padded(q, k, v)` is a causal attention of right-padded [length, batch, heads, dim]
+    tensors returning [length, batch, heads * value_dim]; it runs once per group.
+    Returns [tokens, heads * value_dim] in pack order.
+    """
+    if packed_seq_params.qkv_format != "thd":
+        raise ValueError(f"packed sequences in format {packed_seq_params.qkv_format!r}: only 'thd' is supported")
+    if packed_seq_params.cu_seqlens_q_padded is not None or packed_seq_params.cu_seqlens_kv_padded is not None:
+        raise ValueError("padded cu_seqlens (context parallelism) are not supported by the local attention")
+    cu = packed_seq_params.cu_seqlens_q
+    if not torch.equal(cu, packed_seq_params.cu_seqlens_kv):
+        raise ValueError("self-attention on packed sequences needs cu_seqlens_kv == cu_seqlens_q")
+    # Token i of the pack is position pos[i] of segment seg[i]; a group's batch is
+    # [its longest segment, its segments, heads, head_dim].
+    device = query.device
+    lens = (cu[1:] - cu[:-1]).long().to(device)
+    seg = torch.repeat_interleave(torch.arange(len(lens), device=device), lens)
+    pos = torch.arange(query.shape[0], device=device) - cu[:-1].long().to(device)[seg]
+    group_of_seg = torch.log2(lens.clamp_min(1).double()).floor().long()
+    groups = group_of_seg.unique().tolist()
+    if len(groups) == 1 and int(lens.min()) == int(lens.max()):
+        # Equal lengths (one sequence, or equal-length segments): a reshape, no gather/scatter.
+        n, length = len(lens), int(lens[0])
+        q, k, v = (t.reshape(n, length, *t.shape[1:]).transpose(0, 1) for t in (query, key, value))
+        return attend_padded(q, k, v).transpose(0, 1).reshape(query.shape[0], -1)
+    order, pieces = [], []
+    for group in groups:
+        members = (group_of_seg == group).nonzero().squeeze(1)
+        slot = torch.full_like(lens, -1)
+        slot[members] = torch.arange(len(members), device=device)
+        tokens = (group_of_seg[seg] == group).nonzero().squeeze(1)
+        where = (pos[tokens], slot[seg[tokens]])
+        shape = (int(lens[members].max()), len(members))
+        q, k, v = (_right_padded(t[tokens], where, shape) for t in (query, key, value))
+        pieces.append(attend_padded(q, k, v)[where])
+        order.append(tokens)
+    return torch.cat(pieces)[torch.argsort(torch.cat(order))]  # [tokens, heads * value_dim], pack order
 
 
 def _right_padded(rows: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:

@@ -64,14 +64,24 @@ def sample_rows(processed_logprobs: torch.Tensor, generators: Sequence[torch.Gen
     u = torch.zeros(len(generators), 1, dtype=torch.float64)
     for i in live:
         u[i, 0] = torch.rand((), generator=generators[i], dtype=torch.float64)
-    probs = processed_logprobs.double().exp()
-    cdf = probs.cumsum(dim=-1)
-    u = u.to(cdf.device)
-    # first index whose cdf exceeds u * total: zero-probability tokens can never be picked
-    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
-    last_positive = (probs > 0).cumsum(dim=-1).argmax(dim=-1)  # for u * total rounding up to total
-    idx = torch.minimum(idx, last_positive)
+    idx = inverse_cdf(processed_logprobs.double().exp(), u)
     dead = [i for i, g in enumerate(generators) if g is None]
     if dead:
         idx[torch.tensor(dead, device=idx.device)] = 0
+    return idx
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative probability exceeds u * total ([B, V], [B, 1] -> [B]).
+
+    One cumulative sum over the vocabulary: a token where the cdf first exceeds u * total has
+    probability > 0 (the cdf rose there), so zero-probability tokens can never be picked. Only
+    when u * total rounds up to the total does the search run past the end; those rows (about
+    one in 2**53) take their last positive token, found on that row alone.
+    """
+    cdf = probs.cumsum(dim=-1)
+    idx = torch.searchsorted(cdf, u.to(cdf.device) * cdf[:, -1:], right=True).squeeze(-1)
+    past_end = (idx == probs.shape[-1]).nonzero().squeeze(1).tolist()
+    for row in past_end:
+        idx[row] = (probs[row] > 0).nonzero()[-1, 0]
     return idx

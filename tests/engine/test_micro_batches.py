@@ -1,6 +1,7 @@
 """Micro-batch planning and assembly (megarl.engine.micro_batches), with hand-worked values."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megarl.engine.batch import SequenceBatch
@@ -46,6 +47,38 @@ def test_packed_plan_agrees_with_the_other_dp_ranks():
 def test_padded_plan_fills_rows_to_the_budget():
     plan = plan_padded([9, 7, 5], budget=20, agree_max=alone)  # 20 // 9 = 2 rows per micro-batch
     assert not plan.packed and plan.width == 9 and plan.bins == [[0, 1], [2, None]]
+
+
+def test_padded_plan_has_no_cliff_at_the_budget_boundary():
+    # The issue's case: 32 rows of 133 tokens, a 4,096-token budget (30 rows fit). Filling
+    # micro-batches to the budget gave 2 x 30 rows (28 filler rows: 28/60 of the slots padding);
+    # spreading evenly gives 2 x 16 and no padding at all.
+    plan = plan_padded([133] * 32, budget=4096, agree_max=alone)
+    assert [len(b) for b in plan.bins] == [16, 16] and None not in sum(plan.bins, [])
+    assert plan.padding_fraction([133] * 32) == 0.0
+    # 31 rows: 2 x 16, one filler row: 1/32 of the slots.
+    assert plan_padded([133] * 31, 4096, alone).padding_fraction([133] * 31) == 1 / 32
+    # 30 rows fit exactly in one micro-batch; 61 rows need 3 of 21 (two filler rows, 2/63).
+    assert plan_padded([133] * 30, 4096, alone).bins == [list(range(30))]
+    plan = plan_padded([133] * 61, 4096, alone)
+    assert [len(b) for b in plan.bins] == [21, 21, 21] and plan.padding_fraction([133] * 61) == 2 / 63
+    # Ragged rows pad to the longest: [9, 7, 5] -> 2 x 2 rows of 9, 21 real of 36 slots.
+    assert plan_padded([9, 7, 5], 20, alone).padding_fraction([9, 7, 5]) == 1 - 21 / 36
+
+
+def test_packed_plan_padding_fraction():
+    # Loads 15 and 15 in rows of 16: 2 of 32 slots are tail padding.
+    assert plan_packed([9, 7, 5, 4, 3, 2], 16, alone, multiple=8).padding_fraction([9, 7, 5, 4, 3, 2]) == 2 / 32
+
+
+def test_padding_fraction_grows_smoothly_with_length():
+    # Forward-only sweep over the row length at a fixed budget: the padding never exceeds what
+    # the row count forces (fewer filler rows than micro-batches), so there is no step in cost.
+    for length in range(100, 400, 7):
+        plan = plan_padded([length] * 32, 4096, alone)
+        fillers = sum(r is None for b in plan.bins for r in b)
+        assert fillers < len(plan.bins)
+        assert plan.padding_fraction([length] * 32) == pytest.approx(fillers / (32 + fillers), abs=1e-12)
 
 
 def _batch():
