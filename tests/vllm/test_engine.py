@@ -142,6 +142,26 @@ def test_eos_semantics_equal_the_hf_engine(setup, model_dir):
     assert got.finish_reason == "stop" and len(got.response_token_ids) == 3  # stopped at the EOS, kept it
 
 
+def test_banned_tokens_are_never_sampled_by_the_real_engine(setup, model_dir):
+    """rollout.banned_token_ids reaches vLLM as its own logit bias: greedy then takes the best token
+    that is not banned (as transformers does with those logits at -inf), and sampling never picks one."""
+    engine = setup.engine
+    state = perturbed_state(model_dir, 7)
+    _sync(engine, state)
+    ref = transformers_model(model_dir, state)
+    banned = sorted({greedy(ref, p, 1)[0] for p in PROMPTS})  # each prompt's free greedy choice
+    results = engine.generate(_requests(), SamplingParams(temperature=0.0, max_new_tokens=4, banned_token_ids=banned))
+    for prompt, r in zip(PROMPTS, results):
+        with torch.no_grad():
+            logits = ref(torch.tensor([prompt])).logits[0, -1]
+        logits[banned] = float("-inf")
+        assert r.response_token_ids[0] == int(logits.argmax()), prompt
+        assert not set(r.response_token_ids) & set(banned)
+    sampled = engine.generate(_requests(step=9), SamplingParams(n=4, temperature=1.0, max_new_tokens=6, seed=5,
+                                                                banned_token_ids=banned))
+    assert all(not set(r.response_token_ids) & set(banned) for r in sampled)
+
+
 def test_float32_sync_check_passes_correct_weights_and_catches_a_scaled_layer(setup, model_dir):
     from megarl.hybrid.verify import WeightSyncMismatch, check_sync
     from vllm_models import sampled_batch_gap
