@@ -14,6 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from megarl.platform import mcore_version
+
 # The distributed optimizer's one format that reshards across TP, PP *and* DP in Megatron-Core 0.16
 # (its "fully_sharded_model_space" default uses flattened ranges, which dist_checkpointing now
 # refuses). It gathers each DP group's optimizer state on the group's first rank while saving.
@@ -59,6 +61,7 @@ def save_engine(engine, path: str) -> float:
     dist_checkpointing.save(_sharded_state_dict(engine, is_loading=False), path)
     if engine.dims.rank == 0:
         torch.save(engine.extra_state(), os.path.join(path, EXTRA_STATE_FILE))
+        mcore_version.record_checkpoint_version(path)
         os.makedirs(os.path.join(path, RNG_DIR), exist_ok=True)
     dist.barrier()
     torch.save(rng_state(engine.dims), _rng_file(path, engine.dims.rank))
@@ -70,6 +73,7 @@ def load_engine(engine, path: str) -> None:
     """Collective: fill the engine (any layout) from a checkpoint written by `save_engine`."""
     from megatron.core import dist_checkpointing
 
+    mcore_version.require_readable_checkpoint(path)
     loaded = dist_checkpointing.load(_sharded_state_dict(engine, is_loading=True), path)
     rng_file = _rng_file(path, engine.dims.rank)
     if os.path.exists(rng_file):

@@ -56,3 +56,55 @@ def check_megatron_version(version: str | None = None) -> str:
             f"or 'megatron-core=={TESTED_VERSIONS[0]}' on Python 3.11"
         )
     return version
+
+
+# --- which release wrote a checkpoint ----------------------------------------------------------------
+# Megatron-Core releases whose torch_dist checkpoints older releases cannot read. 0.19 keeps the common
+# (non-sharded) state inside the torch_dist files and writes no common.pt, which 0.16 requires.
+# Newer releases read older checkpoints: 0.19.2 resumed a 0.16.1 checkpoint to identical weights.
+FORMAT_CHANGES = ((0, 19),)
+VERSION_FILE = "megatron_core_version.json"
+# Checkpoints without VERSION_FILE come from before megarl recorded it, when it supported 0.16 only.
+UNRECORDED_VERSION = "0.16.1"
+
+
+class CheckpointVersionError(ValueError):
+    pass
+
+
+def can_read(written_by: str, reader: str) -> bool:
+    """Whether release `reader` reads a torch_dist checkpoint that release `written_by` saved."""
+    written, reading = minor_line(written_by), minor_line(reader)
+    return not any(reading < change <= written for change in FORMAT_CHANGES)
+
+
+def record_checkpoint_version(path: str) -> None:
+    """Write which Megatron-Core release saved the checkpoint in directory `path` (one rank calls this)."""
+    import json
+    import os
+
+    with open(os.path.join(path, VERSION_FILE), "w") as f:
+        json.dump({"megatron_core": installed_version()}, f)
+
+
+def checkpoint_version(path: str) -> str:
+    import json
+    import os
+
+    file = os.path.join(path, VERSION_FILE)
+    if not os.path.exists(file):
+        return UNRECORDED_VERSION
+    with open(file) as f:
+        return json.load(f)["megatron_core"]
+
+
+def require_readable_checkpoint(path: str, reader: str | None = None) -> None:
+    """Refuse, before Megatron-Core fails inside its loader, a checkpoint this release cannot read."""
+    reader = reader or installed_version()
+    written_by = checkpoint_version(path)
+    if not can_read(written_by, reader):
+        raise CheckpointVersionError(
+            f"checkpoint {path} was written by megatron-core {written_by}, whose checkpoint format "
+            f"megatron-core {reader} (installed) cannot read. Load it with megatron-core {written_by} "
+            f"or newer (Python 3.12: pip install 'megatron-core=={TESTED_VERSIONS[-1]}')"
+        )
