@@ -102,7 +102,14 @@ def main(argv=None) -> int:
         return 2
     start = checkpoint.resume_point(run_dir, cfg.trainer.resume)
     if start is not None:
-        trainer.step = checkpoint.restore(trainer, start)
+        from megarl.platform.mcore_version import CheckpointVersionError
+
+        try:
+            trainer.step = checkpoint.restore(trainer, start)
+        except CheckpointVersionError as err:  # written by a Megatron-Core whose format this one cannot read
+            if rank == 0:
+                print(f"error: {err}", file=sys.stderr)
+            return 2
         if rank == 0:
             print(f"resumed from {start} (step {trainer.step})", flush=True)
     tracker = Tracker(cfg.tracking, run_dir, rank=rank, total_steps=cfg.trainer.total_steps, start_step=trainer.step + 1,

@@ -75,6 +75,8 @@ class CheckpointVersionError(ValueError):
 def can_read(written_by: str, reader: str) -> bool:
     """Whether release `reader` reads a torch_dist checkpoint that release `written_by` saved."""
     written, reading = minor_line(written_by), minor_line(reader)
+    if written > NEWEST_SUPPORTED and reading < written:
+        return False  # a newer release than megarl knows (a GPU run is not version-checked): format unknown
     return not any(reading < change <= written for change in FORMAT_CHANGES)
 
 

@@ -26,6 +26,8 @@ from megarl.platform.mcore_version import CheckpointVersionError, can_read, requ
         ("0.19.2", "0.19.0", True),  # patch releases share a format
         ("0.19.2", "0.16.1", False),  # 0.19 writes no common.pt; 0.16 needs one
         ("0.19.2", "0.18.2", False),
+        ("0.20.0", "0.19.2", False),  # newer than megarl knows: its format is unknown
+        ("0.20.0", "0.20.1", True),
     ],
 )
 def test_which_release_reads_which_checkpoint(written_by, reader, readable):
@@ -70,6 +72,32 @@ def test_engine_checkpoint_records_the_installed_release(tiny_models, world_of_o
         (ckpt / mcore_version.VERSION_FILE).write_text(json.dumps({"megatron_core": unreadable}))
         with pytest.raises(CheckpointVersionError, match=f"written by megatron-core {unreadable}, whose checkpoint format megatron-core {installed}"):
             engine.load(str(ckpt))
+
+
+@pytest.mark.slow
+def test_resume_from_an_unreadable_checkpoint_exits_2_with_one_message(tmp_path):
+    """launch/ppo.py resuming a run whose checkpoint a newer Megatron-Core wrote: exit 2, one line."""
+    run_dir = tmp_path / "run"
+    overrides = [f"model.path={tmp_path / 'model'}", f"data.train_files=[{tmp_path / 'train.parquet'}]",
+                 f"data.val_files=[{tmp_path / 'test.parquet'}]", "data.arithmetic.train_size=64",
+                 "data.arithmetic.val_size=8", "data.prompts_per_step=4", "rollout.samples_per_prompt=2",
+                 "trainer.total_steps=1", "trainer.save_every_steps=1", "tracking.progress_bar=false",
+                 f"trainer.run_dir={run_dir}"]
+    cmd = [sys.executable, "launch/ppo.py", "--config", "configs/tiny_cpu.yaml"]  # one process, no torchrun
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    first = subprocess.run([*cmd, *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (actor,) = run_dir.glob("checkpoints/step_*/actor")
+    assert mcore_version.checkpoint_version(str(actor)) == mcore_version.installed_version()
+    (actor / mcore_version.VERSION_FILE).write_text(json.dumps({"megatron_core": "0.20.0"}))
+    again = subprocess.run([*cmd, *overrides, "trainer.total_steps=2"], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 2, again.stderr[-3000:]
+    assert "Traceback" not in again.stderr, again.stderr
+    errors = [line for line in again.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: checkpoint {actor} was written by megatron-core 0.20.0, whose checkpoint format megatron-core "
+        f"{mcore_version.installed_version()} (installed) cannot read."), again.stderr
 
 
 OTHER_PYTHON = os.environ.get("MEGARL_OTHER_PYTHON")
