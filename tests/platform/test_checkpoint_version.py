@@ -80,7 +80,10 @@ def test_resume_from_an_unreadable_checkpoint_exits_2_with_one_message(tmp_path)
                  "trainer.total_steps=1", "trainer.save_every_steps=1", "tracking.progress_bar=false",
                  f"trainer.run_dir={run_dir}"]
     cmd = [sys.executable, "launch/ppo.py", "--config", "configs/tiny_cpu.yaml"]  # one process, no torchrun
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # Without the rendezvous variables world_of_one set in this process (its port is taken).
+    rendezvous = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in rendezvous}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     first = subprocess.run([*cmd, *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     (actor,) = run_dir.glob("checkpoints/step_*/actor")
