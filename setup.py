@@ -10,8 +10,11 @@ setup(
     install_requires=[
         # GPU users install their own CUDA build of torch first; the CPU quick start pins 2.13.0.
         "torch>=2.6",
-        # 0.16.1 is the newest release for Python 3.11 and the range megarl.platform tests.
-        "megatron-core>=0.16.0,<0.17",
+        # megarl.platform supports Megatron-Core 0.16.1 .. 0.19.x. Every release since 0.17 requires
+        # Python 3.12, so 3.11 resolves 0.16.1; on 3.12 a fresh install resolves the newest 0.19.x and
+        # a cluster image's own 0.17 or 0.18 is kept rather than replaced.
+        "megatron-core>=0.16.1,<0.17; python_version < '3.12'",
+        "megatron-core>=0.16.1,<0.20; python_version >= '3.12'",
         "transformers>=4.51",
         "safetensors",
         "tokenizers",

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpoint_io import UnsafeCheckpointError, check_dcp_metadata, load_plain
+from megarl.platform import mcore_version
 
 # The distributed optimizer's one format that reshards across TP, PP *and* DP in Megatron-Core 0.16
 # (its "fully_sharded_model_space" default uses flattened ranges, which dist_checkpointing now
@@ -63,6 +64,7 @@ def save_engine(engine, path: str) -> float:
     dist_checkpointing.save(_sharded_state_dict(engine, is_loading=False), path)
     if engine.dims.rank == 0:
         torch.save(engine.extra_state(), os.path.join(path, EXTRA_STATE_FILE))
+        mcore_version.record_checkpoint_version(path)
         os.makedirs(os.path.join(path, RNG_DIR), exist_ok=True)
     dist.barrier()
     torch.save(rng_state(engine.dims), _rng_file(path, engine.dims.rank))
@@ -105,6 +107,7 @@ def load_engine(engine, path: str) -> None:
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
+    mcore_version.require_readable_checkpoint(path)
     metadata = os.path.join(path, ".metadata")
     if os.path.exists(metadata):
         check_dcp_metadata(metadata)

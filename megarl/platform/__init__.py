@@ -65,12 +65,39 @@ KNOWN_NOISE = (
     r"When using async grad allreduce it is recommended",
     r"tp_group is None, using default tp group",
     r"Please use DTensor instead and we are deprecating ShardedTensor",
+    # Megatron-Core 0.19 (absl is optional; MIMO is a model megarl does not use).
+    r"absl\.logging is not installed",
+    r"MimoModelConfig is experimental",
 )
+# The same through `logging` (logger name: message pattern). Megatron-Core 0.19 logs the first three;
+# the last is torch on a CUDA build without a GPU (the Python 3.12 environment).
+KNOWN_LOG_NOISE = {
+    "megatron.core.models.gpt.gpt_model": r"GPTModel IS DEPRECATED",
+    "megatron.core.distributed.distributed_data_parallel": r"DistributedDataParallel: full_param_layout not provided",
+    "megatron.core.dist_checkpointing.strategies.torch": r"MCore's async save is deprecated",
+    "torch.utils.cpp_extension": r"No CUDA runtime is found",
+}
+
+
+class _DropMatching:
+    """A `logging` filter that drops records whose message matches one pattern."""
+
+    def __init__(self, pattern: str):
+        import re
+
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record) -> bool:
+        return not self.pattern.search(record.getMessage())
 
 
 def quiet_known_warnings() -> None:
-    """Hide the warnings in KNOWN_NOISE (entry points call this; libraries never do)."""
+    """Hide the warnings in KNOWN_NOISE and KNOWN_LOG_NOISE (entry points call this; libraries never do)."""
+    import logging
     import warnings
 
     for pattern in KNOWN_NOISE:
         warnings.filterwarnings("ignore", message=pattern)
+    for name, pattern in KNOWN_LOG_NOISE.items():
+        # A logger's own filters see every record created on it (Megatron logs on its module's logger).
+        logging.getLogger(name).addFilter(_DropMatching(pattern))

@@ -1,41 +1,31 @@
-"""Megatron-Core on CPU with gloo: the nine seams of Megatron-Core 0.16 that assume CUDA.
+"""Megatron-Core on CPU with gloo: the nine seams of Megatron-Core that assume CUDA.
 
 Applied only when no GPU is present (see `megarl.platform.init_platform`); on GPU nothing here
 runs. Each seam is one function below, named after what it covers, so a test can check it on its
-own and a newer Megatron-Core release can be audited seam by seam. The layer is pinned to the
-Megatron-Core versions it was tested with: anything else is refused with a clear message, because a
-silently missed seam shows up much later as a wrong gradient or a hang.
+own and a newer Megatron-Core release can be audited seam by seam; `SEAMS` says which minor lines
+each one is applied to. The layer is pinned to the Megatron-Core range it was audited against
+(`mcore_version`): anything else is refused with a clear message, because a silently missed seam
+shows up much later as a wrong gradient or a hang.
 """
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-# Versions whose seams were audited. Widen only after running tests/platform on the new release.
-SUPPORTED_MCORE_VERSIONS = ("0.16.0", "0.16.1")
+from megarl.platform.mcore_version import (
+    NEWEST_SUPPORTED,
+    OLDEST_SUPPORTED,
+    UnsupportedMegatronVersion,
+    check_megatron_version,
+    installed_version,
+    minor_line,
+)
 
 _APPLIED = False
-
-
-class UnsupportedMegatronVersion(RuntimeError):
-    pass
-
-
-def check_megatron_version(version: str | None = None) -> str:
-    """Refuse a Megatron-Core release outside the audited range (the CPU layer patches its internals)."""
-    if version is None:
-        import megatron.core
-
-        version = megatron.core.__version__
-    if version not in SUPPORTED_MCORE_VERSIONS:
-        raise UnsupportedMegatronVersion(
-            f"megatron-core {version} is installed, but megarl's CPU layer was tested with "
-            f"{', '.join(SUPPORTED_MCORE_VERSIONS)} only. Install a tested release: "
-            f"pip install 'megatron-core=={SUPPORTED_MCORE_VERSIONS[-1]}'"
-        )
-    return version
 
 
 # --- seam 1 + 2: CUDA device placement -----------------------------------------------------------
@@ -319,28 +309,48 @@ def answer_cuda_type_names() -> None:
     torch.Tensor.type = _tensor_type_with_cuda_names  # type: ignore[assignment]
 
 
+@dataclass(frozen=True)
+class Seam:
+    """One process-wide seam and the Megatron-Core minor lines that need it (inclusive)."""
+
+    install: Callable[[], None]
+    first: tuple[int, int] = OLDEST_SUPPORTED
+    last: tuple[int, int] = NEWEST_SUPPORTED
+    why_not_later: str = ""  # for a seam retired before NEWEST_SUPPORTED: what the later release fixed
+
+    def needed_by(self, version: str) -> bool:
+        return self.first <= minor_line(version) <= self.last
+
+
 SEAMS = (
-    patch_current_device,
-    enter_cuda_to_cpu_mode,
-    install_cpu_rng_tracker,
-    install_null_streams,
-    define_te_general_gemm,
-    install_cpu_grad_clip,
+    Seam(patch_current_device),
+    Seam(enter_cuda_to_cpu_mode),
+    Seam(install_cpu_rng_tracker),
+    Seam(install_null_streams),
+    Seam(define_te_general_gemm, last=(0, 16),
+         why_not_later="since 0.17 moe_utils sets te_general_gemm = None itself when Transformer-Engine is absent"),
+    Seam(install_cpu_grad_clip),
     # seam 7 (token dispatcher) and seam 8 (finalize_model_grads) are applied where the
     # TransformerConfig is built: megarl.models.builder calls cpu_moe_token_dispatcher and
-    # require_finalize_model_grads.
-    answer_cuda_type_names,
+    # require_finalize_model_grads. Both are needed by every supported release (0.19 still
+    # defaults finalize_model_grads_func to None, and gloo still rejects the alltoall splits).
+    Seam(answer_cuda_type_names),
 )
 
 
+def seams_for(version: str) -> list[Seam]:
+    """The process-wide seams a Megatron-Core release needs (`version` must be in the supported range)."""
+    return [seam for seam in SEAMS if seam.needed_by(version)]
+
+
 def apply() -> None:
-    """Apply every process-wide seam once. Only call this when no GPU is used."""
+    """Apply the process-wide seams the installed release needs, once. Only call this when no GPU is used."""
     global _APPLIED
     if _APPLIED:
         return
-    check_megatron_version()
-    for seam in SEAMS:
-        seam()
+    version = check_megatron_version(installed_version())
+    for seam in seams_for(version):
+        seam.install()
     _APPLIED = True
 
 
@@ -348,4 +358,4 @@ def is_applied() -> bool:
     return _APPLIED
 
 
-__all__ = ["apply", "is_applied", "check_megatron_version", "UnsupportedMegatronVersion"]
+__all__ = ["apply", "is_applied", "seams_for", "check_megatron_version", "UnsupportedMegatronVersion"]

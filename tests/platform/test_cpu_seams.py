@@ -1,5 +1,6 @@
-"""The nine CPU seams of Megatron-Core 0.16 (megarl.platform.cpu_compat), one test each, shown with
-Megatron's own objects, plus the version pin.
+"""The nine CPU seams of Megatron-Core (megarl.platform.cpu_compat), one test each, shown with
+Megatron's own objects, plus the supported version range. Runs on every Megatron-Core that
+`make test` installs (0.16.1 on Python 3.11, 0.19.x on Python 3.12).
 
 The platform layer patches process-wide state; the whole suite runs on CPU, so it is applied here
 once and left on. Tests that need Megatron's process groups share a gloo world of one process,
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megarl.platform import cpu_compat, init_platform
+from megarl.platform import cpu_compat, init_platform, mcore_version
 
 PLATFORM = init_platform()
 pytestmark = pytest.mark.skipif(not PLATFORM.is_cpu, reason="the CPU seams are applied only when no GPU is used")
@@ -362,26 +363,53 @@ def test_seam9_type_answers_cuda_names_and_still_converts():
     assert torch.zeros(2).type("torch.DoubleTensor").dtype == torch.float64
 
 
-# --- version pin ---------------------------------------------------------------------------------------
+# --- version range ------------------------------------------------------------------------------------
 
 
 def test_installed_megatron_version_is_supported():
     import megatron.core
 
-    assert cpu_compat.check_megatron_version() == megatron.core.__version__
-    assert megatron.core.__version__ in cpu_compat.SUPPORTED_MCORE_VERSIONS
+    assert cpu_compat.check_megatron_version() == megatron.core.__version__.split("+")[0]
+    assert mcore_version.OLDEST_SUPPORTED <= mcore_version.minor_line(megatron.core.__version__) <= mcore_version.NEWEST_SUPPORTED
 
 
-def test_unsupported_megatron_version_is_refused(monkeypatch):
+@pytest.mark.parametrize("version", ["0.16.0", "0.16.1", "0.17.1", "0.18.2", "0.19.0rc1", "0.19.2", "0.19.3+local"])
+def test_versions_in_the_range_are_accepted(version):
+    assert cpu_compat.check_megatron_version(version) == version
+
+
+@pytest.mark.parametrize("version", ["0.15.0", "0.20.0", "1.0.0"])
+def test_versions_outside_the_range_are_refused(version, monkeypatch):
     import megatron.core
 
     with pytest.raises(cpu_compat.UnsupportedMegatronVersion) as err:
-        cpu_compat.check_megatron_version("0.15.0")
+        cpu_compat.check_megatron_version(version)
     message = str(err.value)
-    assert "0.15.0" in message
-    assert all(v in message for v in cpu_compat.SUPPORTED_MCORE_VERSIONS)
-    assert "pip install 'megatron-core==0.16.1'" in message
+    assert f"megatron-core {version} is installed" in message
+    assert "supports 0.16.x to 0.19.x only" in message and "tested: 0.16.1, 0.19.2" in message
+    assert "pip install 'megatron-core==0.19.2' on Python 3.12, or 'megatron-core==0.16.1' on Python 3.11" in message
     # With no argument the installed version is read.
-    monkeypatch.setattr(megatron.core, "__version__", "0.17.0")
-    with pytest.raises(cpu_compat.UnsupportedMegatronVersion, match="megatron-core 0.17.0 is installed"):
+    monkeypatch.setattr(megatron.core, "__version__", version)
+    with pytest.raises(cpu_compat.UnsupportedMegatronVersion, match=f"megatron-core {version} is installed"):
         cpu_compat.check_megatron_version()
+
+
+def test_each_release_gets_the_seams_it_needs():
+    every = [seam.install for seam in cpu_compat.SEAMS]
+    assert [seam.install for seam in cpu_compat.seams_for("0.16.1")] == every
+    later = [f for f in every if f is not cpu_compat.define_te_general_gemm]
+    for version in ("0.17.1", "0.18.2", "0.19.2"):
+        assert [seam.install for seam in cpu_compat.seams_for(version)] == later
+
+
+def test_seam5_is_needed_exactly_where_it_is_applied():
+    # In a fresh interpreter (no megarl, no seams): does Megatron-Core define te_general_gemm
+    # without Transformer-Engine? Only the releases where it does not may skip seam 5.
+    import subprocess
+    import sys
+
+    probe = "from megatron.core.transformer.moe import moe_utils; print(hasattr(moe_utils, 'te_general_gemm'))"
+    defined = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()[-1]
+    installed = mcore_version.installed_version()
+    applied = any(seam.install is cpu_compat.define_te_general_gemm for seam in cpu_compat.seams_for(installed))
+    assert defined == str(not applied)
