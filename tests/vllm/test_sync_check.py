@@ -1,6 +1,6 @@
 """The post-sync check (megarl.hybrid.verify.check_sync) against real vLLM in bfloat16: correct
 weights pass although bf16 kernels put single tail tokens beyond the old max-based bound, and one
-corrupted layer is caught. float32 is checked the same way in test_engine.py.
+corrupted layer is caught. float32 is checked the same way in test_vllm_engine.py.
 
 The actor stand-in is transformers in the same dtype (the trainer's actor is Megatron-Core: other
 kernels again, the same rounding scale). Numbers measured this way are at megarl.hybrid.verify.SYNC_CHECKS.
