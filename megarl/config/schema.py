@@ -256,6 +256,8 @@ class TrainerConfig:
     resume: str = knob("auto", "auto (latest complete checkpoint in run_dir, if any) | never | a checkpoint path")
     log_every: int = knob(1, "console log interval, steps (metrics.jsonl gets every step)", ge=1)
     val_every_steps: int = knob(0, "validate every N steps on data.val_files; 0 = never", ge=0)
+    collective_timeout_s: float = knob(600.0, "a rank that stops (no heartbeat, or a phase behind the others for this "
+                                       "long) ends the run with a message naming it and its phase", gt=0)
 
 
 @dataclass
