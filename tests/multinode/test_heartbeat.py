@@ -91,3 +91,44 @@ def test_a_stalled_rank_is_named_with_its_phase(tmp_path, mode, verdict):
     waited = float(message.split("waited ")[1].split(" s")[0])
     assert TIMEOUT_S <= waited < 120  # named after the timeout, long before rank 1 would have come back
     assert not (tmp_path / "rank0-returned.txt").exists()
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_in_a_training_run_is_named(tmp_path):
+    """The trainer wiring: a real 2-rank run, rank 1 frozen (SIGSTOP) after step 1; rank 0 ends with the message."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from conftest import REPO
+
+    sys.path.insert(0, str(REPO / "tests" / "trainer"))
+    from ppo_helpers import read_metrics, small_run_overrides
+
+    run_dir = tmp_path / "run"
+    overrides = small_run_overrides(tmp_path, run_dir, **{"trainer.total_steps": 6, "trainer.collective_timeout_s": 20,
+                                                           "data.prompts_per_step": 4, "rollout.samples_per_prompt": 2})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "launch/ppo.py",
+           "--config", "configs/tiny_cpu.yaml", *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    frozen = None
+    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        try:
+            deadline = time.monotonic() + 600
+            while not ((run_dir / "metrics.jsonl").is_file() and read_metrics(run_dir)) and time.monotonic() < deadline:
+                assert proc.poll() is None, proc.stdout.read()[-4000:]
+                time.sleep(0.2)
+            frozen = next(c for c in psutil.Process(proc.pid).children(recursive=True)
+                          if c.environ().get("RANK") == "1" and "launch/ppo.py" in " ".join(c.cmdline()))
+            frozen.send_signal(signal.SIGSTOP)
+            out, _ = proc.communicate(timeout=600)
+        finally:
+            if frozen is not None and frozen.is_running():
+                frozen.kill()
+            if proc.poll() is None:
+                proc.kill()
+    assert f"exitcode  : {STALL_EXIT_CODE}" in out, out[-4000:]
+    assert re.search(r"megarl: rank 0 waited \d+ s in phase '\w+' of step \d \(trainer.collective_timeout_s=20\); "
+                     r"(silent \(no heartbeat for 20 s\)|stalled): rank 1 \(last in phase '\w+' of step \d", out), out[-4000:]
