@@ -28,7 +28,8 @@ FULL_SETUP := $(if $(filter 3.12,$(PY)),setup-py312,setup)
 CORE_SETUP := $(if $(filter 3.12,$(PY)),setup,setup-py312)
 # ------------------------------------------------------------------------------------------------------
 
-.PHONY: setup setup-py312 venv-vllm demo demo-eval test test-full test-core test-vllm test-fast bench bench-check
+.PHONY: setup setup-py312 venv-vllm multinode-deps demo demo-eval test test-full test-core test-vllm test-multinode test-fast \
+	bench bench-check
 setup: $(VENV)/.installed
 setup-py312: $(VENV312)/.installed
 venv-vllm: $(VLLM_VENV)/.installed
@@ -74,7 +75,7 @@ demo-eval: setup
 # make test = the full suite (PY's stack), then the core tier (the other stack), then real vLLM.
 # The other two environments are mostly downloads and unpacking: they are built in the background
 # while the CPU-bound full suite runs (log: runs/envs.log), which saves about ten minutes in CI.
-test: $(FULL_SETUP)
+test: $(FULL_SETUP) multinode-deps
 	@mkdir -p runs; \
 	$(MAKE) --no-print-directory $(CORE_SETUP) venv-vllm > runs/envs.log 2>&1 & envs=$$!; \
 	status=0; \
@@ -85,7 +86,7 @@ test: $(FULL_SETUP)
 	exit $$status
 
 # The cross-release checkpoint test needs both stacks: it runs in test-core, in both directions.
-test-full: $(FULL_SETUP)
+test-full: $(FULL_SETUP) multinode-deps
 	$(FULL_BIN)/python -m pytest tests
 
 test-core: setup setup-py312
@@ -96,6 +97,17 @@ test-core: setup setup-py312
 # HF_HUB_OFFLINE: nothing is fetched from a model hub; the tests build their tiny models locally.
 test-vllm: venv-vllm
 	HF_HUB_OFFLINE=1 MEGARL_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest tests/vllm
+
+# Two nodes as network namespaces, a real Slurm (slurmctld + one slurmd per node), preemption and
+# stalled-rank tests (tests/multinode, also part of the full suite). Needs root for namespaces;
+# without it they skip, visibly.
+test-multinode: setup multinode-deps
+	$(BIN)/python -m pytest tests/multinode
+
+# Debian's slurm-wlm and iproute2 for that tier, installed only as root and only when missing.
+multinode-deps:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! (command -v slurmctld && command -v ip) >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm iproute2 >/dev/null; fi
 
 # The edit loop: pure math, config, data, single-process parity (no slow, multiprocess, gpu or
 # vllm tests); under 5 minutes on 2 cores. `make test` still runs everything.

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megarl import algorithms as A
-from megarl import checkpoint
+from megarl import checkpoint, heartbeat
 from megarl.config import Config
 from megarl.data.dataset import PromptDataset, PromptRow
 from megarl.data.tokenizer import load_tokenizer
@@ -45,6 +45,7 @@ from megarl.hybrid.layout import TrainLayout
 from megarl.hybrid.verify import check_sync, token_prob_diff
 from megarl.models.convert import to_hf, weight_mappings
 from megarl.parallel import ParallelDims, all_reduce_host
+from megarl.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch
 from megarl.rewards import build_reward_fn
 from megarl.rewards.decode import check_token_ids, response_text
 from megarl.rewards.model import RewardModel
@@ -156,17 +157,37 @@ class Trainer:
         """Steps step+1 .. trainer.total_steps: PPO step, validation, metrics and guard events to
         the tracker, checkpoints. Collective: every rank calls it."""
         run = self.cfg.trainer
-        while self.step < run.total_steps:
-            self.step += 1
-            last = self.step == run.total_steps
-            metrics, events = self.ppo_step()
-            if self.val_data is not None and (self.step % run.val_every_steps == 0 or last):
-                metrics.update(self.validate())
-            tracker.log(metrics, step=self.step)
-            for name, fields in events:
-                tracker.event(name, step=self.step, **fields)
-            if run.save_every_steps and (self.step % run.save_every_steps == 0 or last):
-                checkpoint.save(self, run.run_dir, self.step, keep_last=run.keep_last_checkpoints)
+        watch = PreemptionWatch().install()  # SIGTERM / SIGUSR1: stop after this step (megarl/preemption.py)
+        beat = heartbeat.start_for_world(run.collective_timeout_s, self.dims.rank, self.dims.world_size)
+        try:
+            while self.step < run.total_steps:
+                self.step += 1
+                heartbeat.enter("step", self.step)
+                last = self.step == run.total_steps
+                metrics, events = self.ppo_step()
+                if self.val_data is not None and (self.step % run.val_every_steps == 0 or last):
+                    heartbeat.enter("validate")
+                    metrics.update(self.validate())
+                tracker.log(metrics, step=self.step)
+                for name, fields in events:
+                    tracker.event(name, step=self.step, **fields)
+                saved = bool(run.save_every_steps and (self.step % run.save_every_steps == 0 or last))
+                if saved:
+                    heartbeat.enter("save")
+                    checkpoint.save(self, run.run_dir, self.step, keep_last=run.keep_last_checkpoints)
+                if not last and (signame := watch.agreed()):
+                    if not saved:
+                        heartbeat.enter("save")
+                        checkpoint.save(self, run.run_dir, self.step, keep_last=run.keep_last_checkpoints)
+                    if self.dims.rank == 0:
+                        self.log(f"megarl: {signame}: stopped after step {self.step} with its checkpoint; exit code "
+                                 f"{PREEMPTED_EXIT_CODE}, the same command resumes (trainer.resume=auto)")
+                    watch.keep_until_exit = True  # a late signal (torchrun's, to the others) must not cut the exit short
+                    raise Preempted(self.step, signame)
+        finally:
+            watch.uninstall()
+            if beat is not None:
+                beat.stop()
 
     def resume(self) -> Path | None:
         """Load the checkpoint trainer.resume names (auto: the newest complete one, if any); returns it."""
@@ -511,6 +532,7 @@ class _Timer:
         self.clock, self.name = clock, name
 
     def __enter__(self):
+        heartbeat.enter(self.name)  # the phase a stall report names (megarl/heartbeat.py)
         self.start = time.perf_counter()
 
     def __exit__(self, *exc):

@@ -258,6 +258,8 @@ class TrainerConfig:
     resume_allow_changes: bool = knob(False, "resume even though settings that change results differ from the run's last segment")
     log_every: int = knob(1, "console log interval, steps (metrics.jsonl gets every step)", ge=1)
     val_every_steps: int = knob(0, "validate every N steps on data.val_files; 0 = never", ge=0)
+    collective_timeout_s: float = knob(600.0, "a rank that stops (no heartbeat, or a phase behind the others for this "
+                                       "long) ends the run with a message naming it and its phase", gt=0)
 
 
 @dataclass
