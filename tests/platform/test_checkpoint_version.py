@@ -73,7 +73,10 @@ def test_engine_checkpoint_records_the_installed_release(tiny_models, world_of_o
 @pytest.mark.slow
 def test_resume_from_an_unreadable_checkpoint_exits_2_with_one_message(tmp_path):
     """launch/ppo.py resuming a run whose checkpoint a newer Megatron-Core wrote: exit 2, one line."""
+    from megarl.data.prepare import prepare_arithmetic
+
     run_dir = tmp_path / "run"
+    prepare_arithmetic(tmp_path, "copy", 3, 64, 8)  # auto_prepare never writes a path given on the command line
     overrides = [f"model.path={tmp_path / 'model'}", f"data.train_files=[{tmp_path / 'train.parquet'}]",
                  f"data.val_files=[{tmp_path / 'test.parquet'}]", "data.arithmetic.train_size=64",
                  "data.arithmetic.val_size=8", "data.prompts_per_step=4", "rollout.samples_per_prompt=2",
