@@ -1,4 +1,4 @@
-"""The benchmark scripts run end to end on small CPU settings and write their JSON."""
+"""Smoke tests: the benchmark scripts run end to end on small CPU settings and write their JSON."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ from conftest import REPO
 pytestmark = pytest.mark.slow
 
 
-def test_actor_mfu_tiny(tmp_path):
+def test_actor_mfu_smoke(tmp_path):
     out = tmp_path / "mfu.json"
     subprocess.run([sys.executable, "benchmarks/actor_mfu.py", "--preset", "tiny", "--iters", "1", "--out", str(out)],
                    cwd=REPO, check=True, capture_output=True, timeout=600)
@@ -27,7 +27,7 @@ def test_actor_mfu_tiny(tmp_path):
     assert result["params"] > 100_000 and result["tokens_per_second"] > 0 and result["model_tflops_per_gpu"] > 0
 
 
-def test_packing_benchmark_small(tmp_path):
+def test_packing_benchmark_smoke(tmp_path):
     out = tmp_path / "packing.json"
     subprocess.run([sys.executable, "benchmarks/packing.py", "--sequences", "6", "--prompt", "8", "--response", "24",
                     "--tokens-per-microbatch", "64", "--rounds", "1", "--out", str(out)],
