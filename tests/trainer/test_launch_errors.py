@@ -94,3 +94,49 @@ def test_a_config_error_under_torchrun_is_printed_once():
     proc = torchrun(2, ["launch/ppo.py", "--config", "configs/tiny_cpu.yaml", "parallel.tp=two"], timeout=300, check=False)
     assert proc.returncode != 0
     assert proc.stderr.count("config error: parallel.tp") == 1, proc.stderr
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """mount(options) -> a fresh tmpfs at tmp_path/mnt (root only; skipped, visibly, elsewhere)."""
+    import os
+
+    mounts = []
+
+    def mount(options: str):
+        target = tmp_path / f"mnt{len(mounts)}"
+        target.mkdir()
+        if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)],
+                                               capture_output=True).returncode != 0:
+            pytest.skip("needs root to mount a tmpfs")
+        mounts.append(target)
+        return target
+
+    yield mount
+    for target in mounts:
+        subprocess.run(["umount", "-l", str(target)], capture_output=True)
+
+
+@pytest.mark.parametrize("state", ["read-only", "full"])
+def test_a_run_dir_that_cannot_be_written_exits_2_with_one_line(small_tmpfs, tmp_path, state):
+    import errno
+    import os
+
+    if state == "read-only":
+        mnt = small_tmpfs("ro,size=1m")
+    else:
+        mnt = small_tmpfs("size=8k")
+        fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)  # fill it: the next write gets ENOSPC
+        try:
+            while os.write(fd, b"x" * 1024):
+                pass
+        except OSError as err:
+            assert err.errno == errno.ENOSPC
+        finally:
+            os.close(fd)
+    run_dir = mnt / "run" if state == "full" else mnt
+    proc = run_launch(["--config", "configs/tiny_cpu.yaml", f"trainer.run_dir={run_dir}", f"model.path={tmp_path / 'model'}"])
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(errors) == 1, proc.stderr
+    assert str(run_dir) in errors[0] and "writable and not full" in errors[0], errors[0]
+    assert not (tmp_path / "model").exists()  # refused before anything was created
