@@ -119,19 +119,26 @@ def main(argv=None) -> int:
 
     try:
         trainer = Trainer(cfg, dims)
-        start = trainer.resume()
-    except (ValueError, FileNotFoundError, ImportError) as err:  # bad data / model / checkpoint files, missing engine
+        start = trainer.resume_point()
+    except (ValueError, FileNotFoundError, ImportError) as err:  # bad data / model files, missing engine
         if rank == 0:
             print(f"error: {err}", file=sys.stderr)
         return 2
     problem, changes = None, []
     if rank == 0:
-        try:  # a changed config on resume is shown, and refused where it breaks exact resume
+        try:  # a changed config on resume is shown, and refused where it breaks exact resume, before loading
             if start is not None:
                 changes = check_resume(run_dir, flatten(cfg), world_size, cfg.trainer.resume_allow_changes)
         except ResumeChangeError as err:
             problem = str(err)
     if fail(problem):
+        return 2
+    try:
+        if start is not None:
+            trainer.resume(start)
+    except (ValueError, FileNotFoundError) as err:  # checkpoint of another model, release or optimizer setup
+        if rank == 0:
+            print(f"error: {err}", file=sys.stderr)
         return 2
     if rank == 0:
         if start is not None:

@@ -189,9 +189,13 @@ class Trainer:
             if beat is not None:
                 beat.stop()
 
-    def resume(self) -> Path | None:
-        """Load the checkpoint trainer.resume names (auto: the newest complete one, if any); returns it."""
-        start = checkpoint.resume_point(self.cfg.trainer.run_dir, self.cfg.trainer.resume)
+    def resume_point(self) -> Path | None:
+        """The checkpoint trainer.resume names (auto: the newest complete one), or None."""
+        return checkpoint.resume_point(self.cfg.trainer.run_dir, self.cfg.trainer.resume)
+
+    def resume(self, start: Path | None = None) -> Path | None:
+        """Load `start` (default: resume_point()) into the engines and this trainer; returns it."""
+        start = start if start is not None else self.resume_point()
         if start is not None:
             checkpoint.restore(self, start)
         return start

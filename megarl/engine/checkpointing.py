@@ -178,7 +178,13 @@ def _load_distributed_optimizer(opt, state: dict) -> None:
     """
     param_state = state.pop("param_state", None)
     sharding_type = state.pop("param_state_sharding_type", None)
-    opt.load_state_dict(state)
+    try:
+        opt.load_state_dict(state)
+    except KeyError as err:  # Megatron-Core 0.19 matches param groups by their lr / wd settings
+        raise ValueError(
+            f"the checkpoint's optimizer param groups do not match this run's (no group with settings {err}): "
+            f"Megatron-Core cannot load an optimizer across a changed learning rate or weight decay; resume with "
+            f"the checkpoint's optim settings, or start a new run from its exported weights") from None
     if param_state is None:
         return
     if sharding_type != "fully_reshardable":

@@ -92,7 +92,7 @@ def test_resume_from_an_unreadable_checkpoint_exits_2_with_one_message(tmp_path)
     (actor,) = run_dir.glob("checkpoints/step_*/actor")
     assert mcore_version.checkpoint_version(str(actor)) == mcore_version.installed_version()
     (actor / mcore_version.VERSION_FILE).write_text(json.dumps({"megatron_core": "0.20.0"}))
-    again = subprocess.run([*cmd, *overrides, "trainer.total_steps=2"], cwd=REPO, env=env, capture_output=True, text=True,
+    again = subprocess.run([*cmd, *overrides, "trainer.total_steps=2", "trainer.resume_allow_changes=true"], cwd=REPO, env=env, capture_output=True, text=True,
                            timeout=600)
     assert again.returncode == 2, again.stderr[-3000:]
     assert "Traceback" not in again.stderr, again.stderr
