@@ -193,12 +193,9 @@ class Trainer:
         """The checkpoint trainer.resume names (auto: the newest complete one), or None."""
         return checkpoint.resume_point(self.cfg.trainer.run_dir, self.cfg.trainer.resume)
 
-    def resume(self, start: Path | None = None) -> Path | None:
-        """Load `start` (default: resume_point()) into the engines and this trainer; returns it."""
-        start = start if start is not None else self.resume_point()
-        if start is not None:
-            checkpoint.restore(self, start)
-        return start
+    def resume(self, start: Path) -> None:
+        """Load the checkpoint `start` (see resume_point) into the engines and this trainer."""
+        checkpoint.restore(self, start)
 
     def checkpointed_engines(self) -> dict[str, MegatronEngine]:
         """The engines a checkpoint holds, by directory name (the reference is frozen: not saved)."""
