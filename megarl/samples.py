@@ -24,6 +24,7 @@ class Sample:
     logprobs: list[float]  # per response token, from the engine: temperature-scaled where it reports them
     logprobs_are_scaled: bool  # False: the engine reported top-k/top-p-processed log-probs only
     text: str  # the decoded response, what the reward reads
+    routes: torch.Tensor | None = None  # MoE routing replay: the engine's experts [tokens, layers, topk] (RolloutResult.routed_experts)
 
     @property
     def prompt_index(self) -> int:
@@ -55,6 +56,7 @@ def to_rollout_batch(samples: list[Sample], samples_per_prompt: int, response_le
     batch = SequenceBatch([list(s.prompt.prompt_ids) + s.response_ids for s in samples],
                           [len(s.prompt.prompt_ids) for s in samples],
                           [s.prompt_index * samples_per_prompt + s.sample_index for s in samples],
-                          response_len, {"response_mask": mask})
+                          response_len, {"response_mask": mask},
+                          [s.routes for s in samples] if any(s.routes is not None for s in samples) else None)
     return RolloutBatch(samples, batch, rollout_logprobs, all(s.logprobs_are_scaled for s in samples),
                    torch.tensor([s.prompt_index for s in samples]))

@@ -43,7 +43,9 @@ from megarl.hybrid.dispatch import DispatchGroups, generate_for_training
 from megarl.hybrid.engine import HybridEngine
 from megarl.hybrid.layout import TrainLayout
 from megarl.hybrid.verify import check_sync, token_prob_diff
+from megarl.models import moe_routing
 from megarl.models.convert import to_hf, weight_mappings
+from megarl.models.moe_routing import RouterOptions
 from megarl.parallel import ParallelDims, all_reduce_host
 from megarl.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch
 from megarl.rewards import build_reward_fn
@@ -70,7 +72,17 @@ def engine_config(cfg: Config, role: str, total_steps: int) -> EngineConfig:
     return EngineConfig(dtype=cfg.model.dtype, optim=optim, max_tokens_per_microbatch=role_cfg.max_tokens_per_microbatch,
                         param_offload=role_cfg.param_offload, grad_offload=role_cfg.grad_offload,
                         optimizer_offload=role_cfg.optimizer_offload, recompute=role_cfg.recompute,
-                        sequence_packing=cfg.model.sequence_packing)
+                        sequence_packing=cfg.model.sequence_packing, routing=router_options(cfg, role))
+
+
+def router_options(cfg: Config, role: str) -> RouterOptions:
+    """MoE routers of a trained role: frozen if model.freeze_router; the actor's auxiliary loss and
+    routing replay (megarl.models.moe_routing)."""
+    if role != "actor":
+        return RouterOptions(freeze=cfg.model.freeze_router)
+    a = cfg.actor
+    return RouterOptions(freeze=cfg.model.freeze_router, aux_loss_coeff=a.moe_aux_loss_coeff,
+                         load_balancing_type=a.moe_load_balancing_type, replay=a.routing_replay)
 
 
 class StepResult(NamedTuple):
@@ -128,6 +140,7 @@ class Trainer:
                               dtype=self.actor.module.config.params_dtype, memory_fraction=r.gpu_memory_utilization,
                               max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens)
         self.rollout = setup.engine
+        self._setup_moe_routing(cfg)
         mappings = {m.name: m for m in weight_mappings(self.actor.spec, dims.tp)}
         convert = lambda name, full: to_hf(mappings[name], full)  # noqa: E731
         self.hybrid = HybridEngine(self._actor_shards(), train=TrainLayout(tp=dims.tp, pp=dims.pp, dp=dims.dp, ep=dims.ep),
@@ -151,6 +164,15 @@ class Trainer:
                 apply_chat_template=cfg.data.apply_chat_template, log=lambda _: None)
         self.guards = Guards(cfg.guards)
         self.step = 0  # PPO steps completed
+
+    def _setup_moe_routing(self, cfg: Config) -> None:
+        """Routing replay: the rollout engine records each token's experts (validation keeps
+        replay to engines that can); the auxiliary loss, when on, is said once."""
+        if cfg.actor.routing_replay:
+            self.rollout.record_routes = True
+        if cfg.actor.moe_aux_loss_coeff > 0 and self.dims.rank == 0:
+            self.log(f"megarl: MoE auxiliary load-balancing loss on in the actor: {cfg.actor.moe_load_balancing_type}, "
+                     f"coefficient {cfg.actor.moe_aux_loss_coeff} (metric actor/moe_aux_loss)")
 
     # --- the loop and its state ---------------------------------------------------------------------
     def train(self, tracker) -> None:
@@ -315,7 +337,7 @@ class Trainer:
             scaled = result.scaled_logprobs is not None
             samples.append(Sample(by_index[result.prompt_index], result.sample_index, response,
                                   list(result.scaled_logprobs if scaled else result.logprobs), scaled,
-                                  response_text(self.tokenizer, response, sampling.stop_token_ids)))
+                                  response_text(self.tokenizer, response, sampling.stop_token_ids), result.routed_experts))
         return samples
 
     def _score(self, samples: list[Sample]) -> list[float]:
@@ -430,8 +452,10 @@ class Trainer:
                                       mini_batches=actor_cfg.ppo_mini_batches, shuffle_seed=self._shuffle_seed(0), want=want,
                                       temperature=self.sampling.temperature,
                                       skip_grad_norm_above=self.cfg.guards.grad_norm_threshold or None)
+        aux_loss = moe_routing.aux_loss_metric(self.actor.model, self.dims)  # None unless actor.moe_aux_loss_coeff > 0
         self.actor.offload()
-        return {**stats.metrics, "actor/grad_norm": _mean(stats.grad_norms), "actor/skipped_steps": float(stats.skipped_steps)}
+        return {**stats.metrics, "actor/grad_norm": _mean(stats.grad_norms), "actor/skipped_steps": float(stats.skipped_steps),
+                **({"actor/moe_aux_loss": aux_loss} if aux_loss is not None else {})}
 
     # --- checks, guards, offload -----------------------------------------------------------------
     def _verify_sync(self, rollout_batch: RolloutBatch, actor_logprobs: torch.Tensor, mask: torch.Tensor) -> None:

@@ -81,6 +81,7 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = knob("bfloat16", "parameter / compute dtype (optimizer state stays float32)")
     sequence_packing: bool = knob(True, "remove padding: pack each micro-batch's sequences into one row "
                                         "(Megatron thd format; verl's use_remove_padding); false = right-padded rows")
+    freeze_router: bool = knob(False, "MoE: keep the router (gate) weights of the trained models fixed (left out of the optimizer)")
     make_tiny: MakeTinyConfig = section(MakeTinyConfig, "tiny random model for CPU demos")
 
 
@@ -179,6 +180,12 @@ class ActorConfig(RoleConfig):
     kl_loss_coef: float = knob(0.001, "coefficient of the KL loss", ge=0)
     kl_loss_type: KLKind = knob("low_var_kl", "KL estimator of the KL loss (a trailing + : straight-through k2 gradient)")
     policy_loss: Literal["ppo", "gspo"] = knob("ppo", "token-level PPO or sequence-level GSPO ratio")
+    routing_replay: bool = knob(False, "MoE: the actor's old-log-prob and update passes route every token to the experts the "
+                                       "rollout engine chose (slime's --use-routing-replay; rollout.engine=hf)")
+    moe_aux_loss_coeff: float = knob(0.0, "MoE: coefficient of the auxiliary load-balancing loss in the actor's loss; 0 = off "
+                                          "(the RL default)", ge=0)
+    moe_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss"] = knob(
+        "aux_loss", "MoE: Megatron's kind of load-balancing loss when actor.moe_aux_loss_coeff > 0")
 
 
 @dataclass

@@ -19,6 +19,8 @@ class SequenceBatch:
     global_index: list[int]  # position in the global batch: defines shuffling, so layouts agree
     response_len: int
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # each [n, response_len]
+    # MoE routing replay: per sequence, the rollout's experts [tokens, num_layers, topk] (None: not recorded)
+    routes: list[torch.Tensor | None] | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -35,6 +37,7 @@ class SequenceBatch:
             [self.global_index[r] for r in rows],
             self.response_len,
             {k: v.index_select(0, idx) for k, v in self.tensors.items()},
+            None if self.routes is None else [self.routes[r] for r in rows],
         )
 
 

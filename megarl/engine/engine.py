@@ -21,6 +21,8 @@ from megarl.engine.batch import SequenceBatch
 from megarl.engine.checkpointing import load_engine, save_engine
 from megarl.engine.forward import model_forward, pipeline_forward
 from megarl.models import load_model
+from megarl.models import moe_routing
+from megarl.models.moe_routing import RouterOptions
 from megarl.models.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 from megarl.models.weights import export_hf, local_weight_shards, unwrap
 from megarl.parallel import ParallelDims, all_reduce_host, broadcast_host
@@ -49,6 +51,7 @@ class EngineConfig:
     grad_offload: bool = False
     optimizer_offload: bool = False
     recompute: str = "none"  # none | selective (core attention) | full (every layer)
+    routing: RouterOptions | None = None  # MoE routers: freeze, auxiliary loss, routing replay
 
 
 # loss_fn(outputs, micro_batch_tensors, totals) -> (loss contribution, {metric: value})
@@ -71,7 +74,8 @@ class MegatronEngine:
     def __init__(self, model_dir: str, dims: ParallelDims, cfg: EngineConfig, *, value_head: bool = False, trainable: bool = True,
                  seed: int = 0):
         self.dims, self.cfg, self.value_head, self.trainable, self.seed = dims, cfg, value_head, trainable, seed
-        self.model, self.spec = load_model(model_dir, dims, dtype=cfg.dtype, critic=value_head, recompute=cfg.recompute)
+        self.model, self.spec = load_model(model_dir, dims, dtype=cfg.dtype, critic=value_head, recompute=cfg.recompute,
+                                           routing=cfg.routing)
         self.model_dir = model_dir
         self.optimizer = self.scheduler = None
         self.optimizer_steps = 0
@@ -154,7 +158,11 @@ class MegatronEngine:
             plan = micro_batches.plan_packed(lengths, budget, self._agree_max, multiple=8 * self.dims.tp)
         else:
             plan = micro_batches.plan_padded(lengths, budget, self._agree_max)
-        return micro_batches.build(plan, batch, rows, fields, self.device)
+        built = micro_batches.build(plan, batch, rows, fields, self.device)
+        if batch.routes is not None and moe_routing.has_replay(self.model):  # the rollout's experts, per micro-batch
+            moe_routing.attach_routes(built, batch.routes, [len(s) for s in batch.input_ids], len(micro_batches.FILLER),
+                                      self.spec.num_layers, self.spec.moe_topk)
+        return built
 
     def _agree_max(self, values: list[int]) -> list[int]:
         return self._over_dp(torch.tensor(values, dtype=torch.long), dist.ReduceOp.MAX).tolist()

@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megarl.models.moe_routing import ROUTES, replaying
 from megarl.parallel import ParallelDims, broadcast_host
 
 # compute(output, micro_batch) -> {name: tensor [micro_batch, ...]}; output is the last stage's
@@ -25,8 +26,10 @@ def model_forward(model: torch.nn.Module, micro_batch: dict) -> torch.Tensor:
     positions = micro_batch.get("position_ids")
     if positions is None:
         positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
-    return model(input_ids=ids, position_ids=positions, attention_mask=None,
-                 packed_seq_params=micro_batch.get("packed_seq_params"))
+    # MoE routing replay: the routers use the rollout's experts for these tokens (megarl.models.moe_routing)
+    with replaying(model, micro_batch.get(ROUTES)):
+        return model(input_ids=ids, position_ids=positions, attention_mask=None,
+                     packed_seq_params=micro_batch.get("packed_seq_params"))
 
 
 @torch.no_grad()

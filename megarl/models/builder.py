@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megarl.models.families import ModelSpec, check_layout
+from megarl.models.moe_routing import RouterOptions, router_config
 from megarl.parallel import ParallelDims
 from megarl.platform import current_platform
 
@@ -32,7 +33,8 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def build_transformer_config(spec: ModelSpec, dims: ParallelDims, dtype: torch.dtype = torch.float32, recompute: str = "none"):
+def build_transformer_config(spec: ModelSpec, dims: ParallelDims, dtype: torch.dtype = torch.float32, recompute: str = "none",
+                             routing: RouterOptions | None = None):
     """The TransformerConfig that makes Megatron compute what `transformers` computes for `spec`."""
     from megatron.core.transformer import TransformerConfig
 
@@ -53,12 +55,9 @@ def build_transformer_config(spec: ModelSpec, dims: ParallelDims, dtype: torch.d
             # the logits, then softmax over those k) equals the renormalised form; pre_softmax is the other.
             moe_router_pre_softmax=not spec.moe_renormalize_topk,
             moe_token_dispatcher_type=dispatcher,
-            # RL fine-tuning adds no load-balancing loss (verl's default too); it would also make the
-            # loss depend on how tokens are split over ranks.
-            moe_router_load_balancing_type="none",
-            moe_aux_loss_coeff=0.0,
             moe_grouped_gemm=False,
-            moe_router_dtype="fp32" if dtype != torch.float32 else None,
+            # fp32 router logits always; no load-balancing loss unless asked (megarl.models.moe_routing)
+            **router_config(routing),
         )
     config = TransformerConfig(
         num_layers=spec.num_layers,
@@ -131,7 +130,8 @@ def layer_spec(spec: ModelSpec, use_te: bool | None = None):
     return local
 
 
-def build_gpt_model(spec: ModelSpec, dims: ParallelDims, config=None, dtype: torch.dtype = torch.float32, vp_stage: int | None = None, value_head: bool = False, recompute: str = "none"):
+def build_gpt_model(spec: ModelSpec, dims: ParallelDims, config=None, dtype: torch.dtype = torch.float32, vp_stage: int | None = None, value_head: bool = False, recompute: str = "none",
+                    routing: RouterOptions | None = None):
     """This rank's pipeline-stage chunk of the model, on the platform's device, weights uninitialised.
 
     value_head=True builds a critic backbone: the output layer is never tied to the embedding,
@@ -140,7 +140,7 @@ def build_gpt_model(spec: ModelSpec, dims: ParallelDims, config=None, dtype: tor
     from megatron.core.models.gpt import GPTModel
     from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
 
-    config = config or build_transformer_config(spec, dims, dtype, recompute)
+    config = config or build_transformer_config(spec, dims, dtype, recompute, routing)
     pp_group = dims.pp_group
     model = GPTModel(
         config=config,

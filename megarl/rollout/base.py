@@ -93,6 +93,9 @@ class RolloutResult:
         reports scaled_logprobs here instead (docs/rollout.md has the table).
     scaled_logprobs: the same under softmax(logits / temperature) without top-k/top-p
         truncation: the quantity the actor recomputes. None when the engine does not return it.
+    routed_experts: MoE routing replay: the experts each token went to, [prompt + response - 1
+        tokens, num_layers, topk] int16 (-1: dense layer / not routed; the last response token is
+        never fed back). None unless the engine was asked to record (hf: `record_routes`).
     """
 
     prompt_index: int
@@ -101,6 +104,7 @@ class RolloutResult:
     logprobs: list[float]
     finish_reason: FinishReason
     scaled_logprobs: list[float] | None = None
+    routed_experts: torch.Tensor | None = None
 
 
 class RolloutEngine(Protocol):

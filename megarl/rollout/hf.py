@@ -15,6 +15,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from megarl.models.moe_routing import HFRouteRecorder
 from megarl.rollout.base import RolloutRequest, RolloutResult, SampleSpec, SamplingParams, expand_samples
 from megarl.rollout.sampling import process_logits, sample_rows
 
@@ -40,6 +41,8 @@ class HFRolloutEngine:
         self.pad_token_id = int(pad) if pad is not None else 0
         self._params = dict(model.named_parameters(remove_duplicate=False))
         self._released = False
+        # MoE routing replay: set True to return each sample's experts (RolloutResult.routed_experts)
+        self.record_routes = False
         # transformers >= 5.2x names the KV cache argument `cache`; older releases `past_key_values`
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
@@ -77,6 +80,17 @@ class HFRolloutEngine:
         return results
 
     def _decode(self, specs: list[SampleSpec], sampling: SamplingParams) -> list[RolloutResult]:
+        if not self.record_routes:
+            return self._decode_rows(specs, sampling)
+        with HFRouteRecorder(self.model) as recorder:
+            results = self._decode_rows(specs, sampling)
+        L = max(len(s.request.prompt_token_ids) for s in specs)
+        for i, (spec, result) in enumerate(zip(specs, results)):
+            result.routed_experts = recorder.routes(i, len(specs), len(spec.request.prompt_token_ids), L,
+                                                    len(result.response_token_ids) - 1)
+        return results
+
+    def _decode_rows(self, specs: list[SampleSpec], sampling: SamplingParams) -> list[RolloutResult]:
         from transformers import DynamicCache
 
         B, dev = len(specs), self.device

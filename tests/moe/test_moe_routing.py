@@ -1,0 +1,169 @@
+"""MoE routing for RL (megarl.models.moe_routing): fp32 router logits, frozen routers, the auxiliary
+load-balancing loss (off by default), and routing replay of the routes the hf engine recorded."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replay_cases import PROMPTS, SAMPLES, batch_of, forward_and_update, make_models, recorded_results
+
+from megarl.models.moe_routing import RouterOptions, router_config
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return make_models(tmp_path_factory.mktemp("moe_replay"))
+
+
+@pytest.fixture(scope="module")
+def recorded(models):
+    return recorded_results(models[0])
+
+
+def _engine(model_dir, dims, dtype="float32", packing=True, **routing):
+    from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
+
+    cfg = EngineConfig(dtype=dtype, sequence_packing=packing, routing=RouterOptions(**routing),
+                       optim=OptimConfig(lr=1e-2, weight_decay=0.0, max_grad_norm=0.0))
+    return MegatronEngine(str(model_dir), dims, cfg)
+
+
+class _RoutingMaps:
+    """Captures each Megatron router's routing map [tokens, experts] of the last forward."""
+
+    def __init__(self, engine):
+        from megarl.models.moe_routing import routers
+
+        self.maps: dict[int, torch.Tensor] = {}
+        for router in routers(engine.model):
+            router.register_forward_hook(lambda m, args, out: self.maps.__setitem__(m.layer_number - 1, out[1].clone()))
+
+
+def _token_index(lengths: list[int], packed: bool, row: int, t: int) -> int:
+    """Router token of (row, position) in one micro-batch holding every row in order: Megatron's
+    hidden states are [s, b, h], flattened s-major; a packed micro-batch is one row end to end."""
+    return sum(lengths[:row]) + t if packed else t * len(lengths) + row
+
+
+def _recorded_positions(batch):
+    for row, routes in enumerate(batch.routes):
+        for t in range(routes.shape[0]):
+            for layer in range(routes.shape[1]):
+                if (routes[t, layer] >= 0).all():
+                    yield row, t, layer, set(routes[t, layer].tolist())
+
+
+def test_router_config_defaults_are_rl_defaults():
+    # fp32 router logits in every dtype; no load-balancing loss unless a coefficient is given
+    assert router_config(None) == {"moe_router_dtype": "fp32", "moe_router_load_balancing_type": "none",
+                                   "moe_aux_loss_coeff": 0.0}
+    assert router_config(RouterOptions(aux_loss_coeff=0.01, load_balancing_type="seq_aux_loss")) == {
+        "moe_router_dtype": "fp32", "moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": 0.01}
+
+
+def test_router_logits_are_fp32_in_bf16(models, world_of_one):
+    engine = _engine(models[0], world_of_one, dtype="bfloat16")
+    from megarl.models.moe_routing import routers
+
+    seen = []
+    for router in routers(engine.model):
+        assert router.weight.dtype == torch.bfloat16  # stored in the model's dtype ...
+        gating = router.gating
+        router.gating = lambda x, gating=gating: seen.append(gating(x)) or seen[-1]
+    requests, results = recorded_results(models[0])
+    engine.forward_only(batch_of(requests, results, routes=False))
+    assert seen and all(logits.dtype == torch.float32 for logits in seen)  # ... the logits in fp32
+
+
+def test_frozen_router_stays_bit_identical_while_the_rest_trains(models, recorded, world_of_one):
+    from megarl.models.moe_routing import routers
+
+    engine = _engine(models[0], world_of_one, freeze=True)
+    gates = [p for r in routers(engine.model) for p in r.parameters(recurse=False)]
+    assert len(gates) == 2 and not any(p.requires_grad for p in gates)  # one gate per layer
+    assert not any(hasattr(p, "main_grad") for p in gates)  # DDP gave them no gradient buffer
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    forward_and_update(engine, batch_of(*recorded, routes=False), num_global=len(PROMPTS) * SAMPLES)
+    after = dict(engine.module.named_parameters())
+    routers_seen = changed = 0
+    for name, old in before.items():
+        if name.endswith("router.weight"):
+            routers_seen += 1
+            assert torch.equal(after[name], old), name
+        elif not torch.equal(after[name], old):
+            changed += 1
+    assert routers_seen == 2 and changed == len(before) - 2, (changed, len(before))
+
+
+def test_aux_loss_is_off_by_default_and_reported_when_on(models, recorded, world_of_one):
+    from megarl.models.moe_routing import aux_loss_metric
+
+    off = _engine(models[0], world_of_one)
+    assert off.module.config.moe_router_load_balancing_type == "none" and off.module.config.moe_aux_loss_coeff == 0.0
+    forward_and_update(off, batch_of(*recorded, routes=False), num_global=len(PROMPTS) * SAMPLES)
+    assert aux_loss_metric(off.model, world_of_one) is None
+
+    on = _engine(models[0], world_of_one, aux_loss_coeff=0.1)
+    forward_and_update(on, batch_of(*recorded, routes=False), num_global=len(PROMPTS) * SAMPLES)
+    value = aux_loss_metric(on.model, world_of_one)
+    # Switch loss E * sum_e f_e * P_e (per top-k): 1 for perfectly balanced routing, more otherwise.
+    assert value is not None and 0.5 < value < 4.0, value
+    assert aux_loss_metric(on.model, world_of_one) == 0.0  # read and cleared: nothing since
+
+
+def test_hf_engine_records_the_experts_megatron_routes_to(models, recorded, world_of_one):
+    # Same weights, float32: the actor's own routing equals the recorded one at every recorded
+    # token (prompt tokens of left-padded rows, and every decoded token but the last).
+    requests, results = recorded
+    batch = batch_of(requests, results)
+    lengths = [len(s) for s in batch.input_ids]
+    for r, res in zip(batch.routes, results):
+        assert r.shape == (len(requests[res.prompt_index].prompt_token_ids) + len(res.response_token_ids) - 1, 2, 2)
+    engine = _engine(models[0], world_of_one)  # no replay
+    maps = _RoutingMaps(engine)
+    engine.forward_only(batch)
+    checked = 0
+    for row, t, layer, experts in _recorded_positions(batch):
+        got = set(maps.maps[layer][_token_index(lengths, True, row, t)].nonzero().flatten().tolist())
+        assert got == experts, (row, t, layer)
+        checked += 1
+    assert checked == 2 * sum(n - 1 for n in lengths)
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+def test_replay_routes_through_the_recorded_experts_after_the_router_changed(models, recorded, world_of_one, packing):
+    requests, results = recorded
+    batch = batch_of(requests, results)
+    lengths = [len(s) for s in batch.input_ids]
+    engine = _engine(models[1], world_of_one, packing=packing, replay=True)  # other router weights
+    maps = _RoutingMaps(engine)
+
+    def disagreements() -> int:
+        return sum(set(maps.maps[layer][_token_index(lengths, packing, row, t)].nonzero().flatten().tolist()) != experts
+                   for row, t, layer, experts in _recorded_positions(batch))
+
+    own = engine.forward_only(batch_of(requests, results, routes=False))["logprobs"]
+    assert disagreements() > 10  # the moved routers choose other experts on their own ...
+    replayed = engine.forward_only(batch)["logprobs"]
+    assert disagreements() == 0  # ... and the recorded ones when replaying
+    # The update replays too: its forward gives back the replayed old log-probs (ratio 1), which
+    # the router's own choice does not.
+    _, _, gap = forward_and_update(engine, batch, num_global=len(results))
+    assert gap <= 1e-5, gap
+    assert (own - replayed).abs().max() > 1e-2
+
+
+def test_replay_with_an_engine_that_does_not_record_is_a_config_error():
+    from megarl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="only rollout.engine=hf records them so far .*enable_return_routed_experts"):
+        load_config("configs/tiny_cpu.yaml", ["actor.routing_replay=true", "rollout.engine=vllm"])
+    assert load_config("configs/tiny_cpu.yaml", ["actor.routing_replay=true"]).actor.routing_replay  # hf records
+
+
+def test_routing_options_on_a_dense_model_are_refused(tmp_path):
+    from megarl.models.moe_routing import check_routing_options
+
+    check_routing_options(RouterOptions(replay=True), True, "qwen3_moe")
+    with pytest.raises(ValueError, match="actor.routing_replay applies to mixture-of-experts models"):
+        check_routing_options(RouterOptions(replay=True), False, "llama")
