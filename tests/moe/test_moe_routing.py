@@ -167,3 +167,26 @@ def test_routing_options_on_a_dense_model_are_refused(tmp_path):
     check_routing_options(RouterOptions(replay=True), True, "qwen3_moe")
     with pytest.raises(ValueError, match="actor.routing_replay applies to mixture-of-experts models"):
         check_routing_options(RouterOptions(replay=True), False, "llama")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_replay_under_tp_pp_and_ep_gives_the_single_process_numbers(models, recorded, world_of_one, tmp_path):
+    """Each rank replays the routes of its own tokens: under tp2 (forward only), pp2 and ep2 (with
+    dp2) the replayed log-probs and the update's gradient norm are those of one process."""
+    from conftest import torchrun
+
+    engine = _engine(models[1], world_of_one, replay=True)
+    ref_logprobs, ref_norm, ref_gap = forward_and_update(engine, batch_of(*recorded), num_global=len(recorded[1]))
+    own = engine.forward_only(batch_of(*recorded, routes=False))["logprobs"]
+    assert (own - ref_logprobs).abs().max() > 1e-2  # replay matters for these numbers
+    out = tmp_path / "layouts.pt"
+    torchrun(2, ["tests/moe/replay_worker.py", "--rollout-model", str(models[0]), "--actor-model", str(models[1]),
+                 "--layouts", "2,1,1", "1,2,1", "1,1,2", "--out", str(out)])
+    results = torch.load(out, weights_only=False)
+    assert list(results) == ["2,1,1", "1,2,1", "1,1,2"]
+    for layout, got in results.items():
+        assert (got["logprobs"] - ref_logprobs).abs().max() <= 1e-5, layout
+        if layout != "2,1,1":  # no MoE training under tp without sequence parallelism (Megatron-Core)
+            assert got["grad_norm"] == pytest.approx(ref_norm, rel=1e-5), layout
+        assert got["gap"] <= 1e-5, layout
