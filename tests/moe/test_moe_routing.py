@@ -20,10 +20,10 @@ def recorded(models):
     return recorded_results(models[0])
 
 
-def _engine(model_dir, dims, dtype="float32", packing=True, **routing):
+def _engine(model_dir, dims, dtype="float32", packing=True, recompute="none", **routing):
     from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
 
-    cfg = EngineConfig(dtype=dtype, sequence_packing=packing, routing=RouterOptions(**routing),
+    cfg = EngineConfig(dtype=dtype, sequence_packing=packing, routing=RouterOptions(**routing), recompute=recompute,
                        optim=OptimConfig(lr=1e-2, weight_decay=0.0, max_grad_norm=0.0))
     return MegatronEngine(str(model_dir), dims, cfg)
 
@@ -169,6 +169,22 @@ def test_routing_options_on_a_dense_model_are_refused(tmp_path):
         check_routing_options(RouterOptions(replay=True), False, "llama")
 
 
+def test_full_recomputation_replays_the_routes_of_the_micro_batch_it_recomputes(models, recorded, world_of_one):
+    # Full recomputation re-runs each layer's forward, router included, inside backward: it must
+    # replay that micro-batch's routes (queued in forward order), or the gradient would be that of
+    # other experts. Several micro-batches: a token budget of 16 per micro-batch.
+    norms = {}
+    for recompute in ("none", "full"):
+        engine = _engine(models[1], world_of_one, recompute=recompute, replay=True)
+        engine.cfg.max_tokens_per_microbatch = 16
+        _, norms[recompute], gap = forward_and_update(engine, batch_of(*recorded), num_global=len(recorded[1]))
+        assert gap <= 1e-5, recompute
+    assert norms["full"] == pytest.approx(norms["none"], rel=1e-6)
+    plain = _engine(models[1], world_of_one, recompute="full")
+    _, norm_own, _ = forward_and_update(plain, batch_of(*recorded, routes=False), num_global=len(recorded[1]))
+    assert norm_own != pytest.approx(norms["none"], rel=1e-3)  # replay changes this gradient
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_replay_under_tp_pp_and_ep_gives_the_single_process_numbers(models, recorded, world_of_one, tmp_path):
@@ -190,3 +206,35 @@ def test_replay_under_tp_pp_and_ep_gives_the_single_process_numbers(models, reco
         if layout != "2,1,1":  # no MoE training under tp without sequence parallelism (Megatron-Core)
             assert got["grad_norm"] == pytest.approx(ref_norm, rel=1e-5), layout
         assert got["gap"] <= 1e-5, layout
+
+
+@pytest.mark.slow
+def test_moe_run_with_replay_matches_its_rollout(tmp_path):
+    """launch/ppo.py on a tiny qwen3_moe with routing replay, the auxiliary loss and frozen routers:
+    training/rollout_probs_diff_max stays at float32 noise (routes replayed on the wrong rows or
+    tokens would send tokens to other experts and show here), the auxiliary loss is said once and
+    reported each step."""
+    import json
+
+    from conftest import torchrun
+
+    from megarl.data.prepare import prepare_arithmetic
+
+    prepare_arithmetic(tmp_path, "copy", 3, 64, 8)
+    run_dir = tmp_path / "run"
+    overrides = {
+        "model.path": tmp_path / "model", "model.make_tiny.arch": "qwen3_moe", "model.dtype": "float32",
+        "model.sequence_packing": "true", "model.freeze_router": "true",
+        "data.train_files": f"[{tmp_path / 'train.parquet'}]", "data.val_files": "[]",
+        "data.prompts_per_step": 8, "rollout.samples_per_prompt": 4, "actor.ppo_mini_batches": 2, "actor.ppo_epochs": 1,
+        "actor.routing_replay": "true", "actor.moe_aux_loss_coeff": 0.01,
+        "trainer.total_steps": 2, "trainer.save_every_steps": 0, "trainer.val_every_steps": 0,
+        "trainer.run_dir": run_dir, "tracking.progress_bar": "false",
+    }
+    proc = torchrun(0, ["launch/ppo.py", "--config", "configs/tiny_cpu.yaml", *(f"{k}={v}" for k, v in overrides.items())])
+    assert (proc.stdout + proc.stderr).count("MoE auxiliary load-balancing loss on in the actor: aux_loss, coefficient 0.01") == 1
+    steps = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "event" not in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["training/rollout_probs_diff_max"] <= 1e-4, r
+        assert 0.5 < r["actor/moe_aux_loss"] < 4.0, r
