@@ -6,7 +6,7 @@ same two trainer methods (`Trainer._generate`, `Trainer._score`), which produce 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,7 +24,8 @@ class Sample:
     logprobs: list[float]  # per response token, from the engine: temperature-scaled where it reports them
     logprobs_are_scaled: bool  # False: the engine reported top-k/top-p-processed log-probs only
     text: str  # the decoded response, what the reward reads
-    routes: torch.Tensor | None = None  # MoE routing replay: the engine's experts [tokens, layers, topk] (RolloutResult.routed_experts)
+    # MoE routing replay: the engine's experts [tokens, layers, topk] (RolloutResult.routed_experts)
+    routes: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
     def prompt_index(self) -> int:

@@ -104,7 +104,7 @@ class RolloutResult:
     logprobs: list[float]
     finish_reason: FinishReason
     scaled_logprobs: list[float] | None = None
-    routed_experts: torch.Tensor | None = None
+    routed_experts: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 class RolloutEngine(Protocol):
