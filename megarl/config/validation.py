@@ -82,9 +82,9 @@ def _check_unworkable(cfg: Config) -> None:
                                   f"clipped by actor.clip_ratio_low / clip_ratio_high, default 3e-4 / 4e-4, without dual clip)")
     if a.routing_replay and cfg.rollout.engine != "hf":
         raise ConfigError(f"actor.routing_replay needs the experts each token was routed to from the rollout engine; only "
-                          f"rollout.engine=hf records them so far (vLLM 0.32 can return them, enable_return_routed_experts "
+                          f"rollout.engine=hf records them so far (vLLM 0.32 on GPU can return them, enable_return_routed_experts "
                           f"-> CompletionOutput.routed_experts, but megarl's {cfg.rollout.engine} adapter does not ask "
-                          f"for them yet): use rollout.engine=hf or actor.routing_replay=false")
+                          f"for them yet; docs/moe_routing.md): use rollout.engine=hf or actor.routing_replay=false")
     uses_ref = alg.use_kl_in_reward or a.use_kl_loss
     if g.kl_threshold > 0 and not uses_ref:
         raise ConfigError("guards.kl_threshold > 0 but there is no KL to watch (algorithm.use_kl_in_reward and "
