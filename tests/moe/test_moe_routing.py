@@ -217,7 +217,7 @@ def test_moe_run_with_replay_matches_its_rollout(tmp_path):
     is said once and reported each step."""
     import json
 
-    from conftest import torchrun
+    from conftest import free_port, torchrun
     from routing_replay import make_model
 
     from megarl.data.prepare import prepare_arithmetic
@@ -233,7 +233,9 @@ def test_moe_run_with_replay_matches_its_rollout(tmp_path):
         "trainer.total_steps": 2, "trainer.save_every_steps": 0, "trainer.val_every_steps": 0,
         "trainer.run_dir": run_dir, "tracking.progress_bar": "false",
     }
-    proc = torchrun(0, ["launch/ppo.py", "--config", "configs/tiny_cpu.yaml", *(f"{k}={v}" for k, v in overrides.items())])
+    # its own rendezvous port: this module's world_of_one has put its (busy) one in the environment
+    proc = torchrun(0, ["launch/ppo.py", "--config", "configs/tiny_cpu.yaml", *(f"{k}={v}" for k, v in overrides.items())],
+                    env={"MASTER_PORT": str(free_port())})
     assert (proc.stdout + proc.stderr).count("MoE auxiliary load-balancing loss on in the actor: aux_loss, coefficient 0.01") == 1
     steps = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "event" not in r]
     assert len(steps) == 2
