@@ -70,7 +70,7 @@ class HybridEngine:
         gathered: list = [None] * train.world_size
         dist.all_gather_object(gathered, shard_metadata(local_shards))  # once; the plan is cached
         self.assignment = assign_rollout(train, rollout)
-        self.plan: Plan = make_plan(build_specs(gathered), train, self.assignment, rollout.tp, bucket_bytes)
+        self.plan: Plan = make_plan(build_specs(gathered), train, self.assignment, rollout.tp, bucket_bytes, dict(rollout.rows))
         # every rank creates every group, in the same order (new_group is collective)
         needed = sorted({op.group for b in self.plan.buckets for op in b.ops if op.group is not None})
         self._groups = {g: dist.new_group(list(g)) for g in needed}
