@@ -112,7 +112,7 @@ def main(argv=None) -> None:
         out = {
             "results": rows, "rollout_tp": args.rollout_tp, "model": spec,
             "config": {"world_size": dist.get_world_size(), "backend": dist.get_backend(),
-                       "device": platform.processor() or "cpu", "cpu_count": os.cpu_count(), "torch": torch.__version__,
+                       "device": _cpu_name(), "cpu_count": os.cpu_count(), "load_average": os.getloadavg(), "torch": torch.__version__,
                        "vllm": __import__("vllm").__version__,
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                        "command": "torchrun --standalone --nproc_per_node %d %s" % (dist.get_world_size(), " ".join(sys.argv))},
@@ -124,6 +124,14 @@ def main(argv=None) -> None:
                   f"direct {r['direct']['bytes_received']}, full {r['full']['bytes_received']}, checks {r['checks']}")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "cpu"
 
 
 if __name__ == "__main__":
