@@ -50,8 +50,9 @@ class HybridEngine:
     """Reshards the actor from `train` to `rollout` layout; see docs/rollout.md for the decisions.
 
     local_shards: this rank's parameters under global names with their ShardMeta.
-    convert: full (or, for rollout.tp > 1, rollout-shard) canonical tensor -> [(engine name,
-        tensor)], e.g. the model family's `to_engine`. Identity by default.
+    convert: canonical tensor in `rollout`'s layout (full at tp 1, else this rank's rollout shard,
+        `rollout.rows` where the engine splits unevenly) -> [(engine name, tensor)]: what
+        `megarl.rollout.build_rollout` returns as `RolloutSetup.convert`. Identity by default.
     bucket_bytes: the most bytes one bucket stages on a rank (send + receive).
     """
 
