@@ -44,7 +44,6 @@ from megarl.hybrid.engine import HybridEngine
 from megarl.hybrid.layout import TrainLayout
 from megarl.hybrid.verify import check_sync, token_prob_diff
 from megarl.models import moe_routing
-from megarl.models.convert import to_hf, weight_mappings
 from megarl.models.moe_routing import RouterOptions
 from megarl.parallel import ParallelDims, all_reduce_host
 from megarl.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch
@@ -132,19 +131,20 @@ class Trainer:
 
         # --- rollout construction: the inference engine, the 3D-HybridEngine that feeds it the
         # actor's weights, the dispatch groups, the sampling parameters. The builder says which
-        # weight layout the engine's load_weights accepts (full HF tensors for every engine today:
-        # convert below then always sees full tensors) and owns each backend's options. ------------
+        # weight layout the engine's load_weights accepts with its converter (vLLM on the dense
+        # families: each rank's own rollout shard; otherwise full HF tensors) and owns each
+        # backend's options. ------------------------------------------------------------------------
         r = cfg.rollout
         groups = dims.rollout_groups(r.tp)
         setup = build_rollout(r.engine, cfg.model.path, groups, seed=t.seed, device=str(self.actor.device),
                               dtype=self.actor.module.config.params_dtype, memory_fraction=r.gpu_memory_utilization,
-                              max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens)
+                              max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens, train_tp=dims.tp,
+                              log=log if dims.rank == 0 else None)
         self.rollout = setup.engine
         self._setup_moe_routing(cfg)
-        mappings = {m.name: m for m in weight_mappings(self.actor.spec, dims.tp)}
-        convert = lambda name, full: to_hf(mappings[name], full)  # noqa: E731
+        self.weight_path = setup.weight_path  # "direct" or "full" (megarl.rollout.RolloutSetup)
         self.hybrid = HybridEngine(self._actor_shards(), train=TrainLayout(tp=dims.tp, pp=dims.pp, dp=dims.dp, ep=dims.ep),
-                                   rollout=setup.weight_layout, bucket_bytes=r.bucket_bytes, convert=convert)
+                                   rollout=setup.weight_layout, bucket_bytes=r.bucket_bytes, convert=setup.convert)
         self.dispatch = DispatchGroups(mp_group=dims.mp_group, mp_rank=dist.get_rank(dims.mp_group), mp_size=dist.get_world_size(dims.mp_group),
                                        rollout_group=groups.group, rollout_rank=groups.rank, rollout_size=groups.size)
         stop = tuple(r.stop_token_ids) + ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
@@ -315,6 +315,7 @@ class Trainer:
             bytes_moved={kind: total - moved_before[kind] for kind, total in self._bytes_moved().items()},
             memory=_memory_metrics(), resident=self._resident_metrics(resident), timing=timing,
             world_size=self.dims.world_size, explained_var=explained_var, guard_events=events)
+        metrics["training/hybrid_sync_direct"] = float(self.weight_path == "direct")  # 1: shards into vLLM's parameters
         return StepResult(metrics, events)
 
     def validate(self) -> dict[str, float]:

@@ -349,7 +349,9 @@ class MegatronEngine:
         return export_hf(self.module, self.spec, self.dims, critic=self.value_head)
 
     def local_weight_shards(self):
-        self.onload()
+        """This rank's parameters for the weight sync; only they come back from the host (the
+        gradients and optimizer state stay there: the sync only reads the parameters)."""
+        self.onload(parts=("params",))
         return local_weight_shards(self.module, self.spec, self.dims)
 
     # --- offload ----------------------------------------------------------------------------------------------
@@ -368,13 +370,14 @@ class MegatronEngine:
         self.bytes_moved["offload"] += sum(moved.values())
         return moved
 
-    def onload(self) -> dict[str, int]:
+    def onload(self, parts: tuple[str, ...] = ("params", "grads", "optimizer")) -> dict[str, int]:
+        """Bring `parts` of what offload() moved back to the device; returns bytes moved."""
         moved = {}
-        if self._offloaded.pop("params", False):
+        if "params" in parts and self._offloaded.pop("params", False):
             moved["params"] = offload.onload_params(self)
-        if self._offloaded.pop("grads", False):
+        if "grads" in parts and self._offloaded.pop("grads", False):
             moved["grads"] = offload.onload_grads(self)
-        if self._offloaded.pop("optimizer", False):
+        if "optimizer" in parts and self._offloaded.pop("optimizer", False):
             moved["optimizer"] = offload.onload_optimizer(self)
         self.bytes_moved["onload"] += sum(moved.values())
         return moved

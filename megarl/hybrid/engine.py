@@ -50,8 +50,9 @@ class HybridEngine:
     """Reshards the actor from `train` to `rollout` layout; see docs/rollout.md for the decisions.
 
     local_shards: this rank's parameters under global names with their ShardMeta.
-    convert: full (or, for rollout.tp > 1, rollout-shard) canonical tensor -> [(engine name,
-        tensor)], e.g. the model family's `to_engine`. Identity by default.
+    convert: canonical tensor in `rollout`'s layout (full at tp 1, else this rank's rollout shard,
+        `rollout.rows` where the engine splits unevenly) -> [(engine name, tensor)]: what
+        `megarl.rollout.build_rollout` returns as `RolloutSetup.convert`. Identity by default.
     bucket_bytes: the most bytes one bucket stages on a rank (send + receive).
     """
 
@@ -70,7 +71,7 @@ class HybridEngine:
         gathered: list = [None] * train.world_size
         dist.all_gather_object(gathered, shard_metadata(local_shards))  # once; the plan is cached
         self.assignment = assign_rollout(train, rollout)
-        self.plan: Plan = make_plan(build_specs(gathered), train, self.assignment, rollout.tp, bucket_bytes)
+        self.plan: Plan = make_plan(build_specs(gathered), train, self.assignment, rollout.tp, bucket_bytes, dict(rollout.rows))
         # every rank creates every group, in the same order (new_group is collective)
         needed = sorted({op.group for b in self.plan.buckets for op in b.ops if op.group is not None})
         self._groups = {g: dist.new_group(list(g)) for g in needed}

@@ -84,10 +84,15 @@ Grouping = Literal["micro_dp", "consecutive"]
 
 @dataclass(frozen=True)
 class RolloutLayout:
-    """tp: the TP degree of the shards the engine loads (1 = full tensors); grouping: see module doc."""
+    """tp: the TP degree of the shards the engine loads (1 = full tensors); grouping: see module doc.
+
+    rows: ((tensor name, ((lo, hi) per rollout TP rank)), ...) for tensors the engine splits
+    unevenly along their TP dimension (vLLM's padded vocabulary), in rows of the full tensor.
+    """
 
     tp: int = 1
     grouping: Grouping = "micro_dp"
+    rows: tuple[tuple[str, tuple[tuple[int, int], ...]], ...] = ()
 
     def __post_init__(self):
         if self.tp < 1:

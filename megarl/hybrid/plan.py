@@ -13,6 +13,7 @@ becomes in the HybridFlow case. Tensors bigger than a bucket are cut along a non
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -45,6 +46,10 @@ class TensorSpec:
     tp_size: int
     sub_chunks: int
     holders: tuple[tuple[int, int], ...]  # (global rank, training tp rank), sorted
+    # Rows of tp_dim that rollout rank q needs, where the engine does not split evenly (a padded
+    # vocabulary: vLLM pads to its own multiple, so its shard boundaries are not the trainer's).
+    # Spans are then counted in rows.
+    rollout_rows: tuple[tuple[int, int], ...] | None = None
 
     @property
     def itemsize(self) -> int:
@@ -64,6 +69,8 @@ class TensorSpec:
     def units(self, rollout_tp: int) -> int:
         if self.tp_dim is None:
             return 1
+        if self.rollout_rows is not None:
+            return self.full_shape[self.tp_dim]
         return math.lcm(self.tp_size, rollout_tp)
 
     def held_span(self, tp_rank: int, L: int) -> Span:
@@ -75,6 +82,8 @@ class TensorSpec:
     def needed_span(self, q: int, rollout_tp: int, L: int) -> Span:
         if self.tp_dim is None:
             return Span(0, 1)
+        if self.rollout_rows is not None:
+            return Span(*self.rollout_rows[q])
         w = L // rollout_tp
         return Span(q * w, (q + 1) * w)
 
@@ -163,6 +172,7 @@ class Plan:
     planned_recv_bytes: list[int]  # per rank, payload only (no alignment padding)
     largest_tensor_bytes: int
     model_bytes: int
+    needed_bytes: list[int] = field(default_factory=list)  # per rank: its rollout shard of every tensor
 
     def units(self, name: str) -> int:
         return self.specs[name].units(self.rollout_tp)
@@ -190,7 +200,8 @@ def build_specs(per_rank_meta: list[list[tuple]]) -> dict[str, TensorSpec]:
         for name, full_shape, dtype, tp_dim, tp_rank, tp_size, sub_chunks, local_shape in metas:
             full_shape, local_shape = tuple(full_shape), tuple(local_shape)
             dtype = getattr(torch, str(dtype).replace("torch.", ""))
-            split = tp_dim is not None and tp_size > 1
+            # a tp_dim is kept at train tp 1 too: rollout tp > 1 still needs the tensor's split dim
+            split = tp_dim is not None
             if split:
                 expect = list(full_shape)
                 expect[tp_dim] //= tp_size
@@ -215,10 +226,24 @@ def build_specs(per_rank_meta: list[list[tuple]]) -> dict[str, TensorSpec]:
 
 
 def make_plan(specs: dict[str, TensorSpec], train: TrainLayout, assignment: RolloutAssignment, rollout_tp: int,
-              bucket_bytes: int) -> Plan:
-    """Decide sources, cut buckets, and group each bucket's transfers into collective ops."""
+              bucket_bytes: int, rollout_rows: dict[str, tuple[tuple[int, int], ...]] | None = None) -> Plan:
+    """Decide sources, cut buckets, and group each bucket's transfers into collective ops.
+
+    rollout_rows: {name: rows of tp_dim per rollout rank} for tensors the engine splits unevenly.
+    """
     if bucket_bytes < ALIGN:
         raise ValueError(f"bucket_bytes must be at least {ALIGN}, got {bucket_bytes}")
+    specs = dict(specs)
+    for name, rows in (rollout_rows or {}).items():
+        s = specs.get(name)
+        if s is None:
+            continue  # e.g. a tied output layer the trainer does not stream
+        if s.tp_dim is None or s.sub_chunks != 1 or len(rows) != rollout_tp:
+            raise ValueError(f"{name}: rollout rows need a tensor split over one tp_dim block and one row range per "
+                             f"rollout rank ({rollout_tp}), got tp_dim {s.tp_dim}, {s.sub_chunks} blocks, {len(rows)} ranges")
+        if any(not 0 <= lo <= hi <= s.full_shape[s.tp_dim] for lo, hi in rows):
+            raise ValueError(f"{name}: rollout rows {rows} outside its {s.full_shape[s.tp_dim]} rows")
+        specs[name] = dataclasses.replace(s, rollout_rows=tuple(tuple(r) for r in rows))
     W = train.world_size
     q_of = assignment.rollout_tp_rank
     group_of_rank = {r: g for g in assignment.micro_dp_groups for r in g}
@@ -235,6 +260,7 @@ def make_plan(specs: dict[str, TensorSpec], train: TrainLayout, assignment: Roll
     order = sorted(specs, key=natural_key)
     send_load = [0] * W
     min_recv = [0] * W
+    needed_bytes = [0] * W
     planned_recv = [0] * W
 
     def routes(s: TensorSpec) -> list[tuple[Span, int, tuple[int, ...]]]:
@@ -285,6 +311,7 @@ def make_plan(specs: dict[str, TensorSpec], train: TrainLayout, assignment: Roll
             need = s.needed_span(q_of[r], rollout_tp, L)
             have = need & held_by[r] if r in held_by else None
             min_recv[r] += s.span_nbytes(need, L) - (s.span_nbytes(have, L) if have else 0)
+            needed_bytes[r] += s.span_nbytes(need, L)
 
     buckets: list[Bucket] = []
     cur_entries: list[Entry] = []
@@ -326,7 +353,7 @@ def make_plan(specs: dict[str, TensorSpec], train: TrainLayout, assignment: Roll
             for d in dsts:
                 planned_recv[d] += chunk.nbytes
     return Plan(specs, order, train, assignment, rollout_tp, bucket_bytes, buckets, min_recv, planned_recv,
-                max((s.nbytes for s in specs.values()), default=0), sum(s.nbytes for s in specs.values()))
+                max((s.nbytes for s in specs.values()), default=0), sum(s.nbytes for s in specs.values()), needed_bytes)
 
 
 def _group_ops(transfers, micro_groups: set[tuple[int, ...]]) -> list[Op]:

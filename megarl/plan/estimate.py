@@ -241,10 +241,10 @@ def plan(arch: Arch, lay: Layout, run: RunShape, cl: Cluster) -> dict:
             if r != "ref":
                 part += (st.grads if run.grad_offload else 0.0) + (st.optimizer if run.optimizer_offload == "phases" else 0.0)
             offloaded += part
-            # Each engine goes out and back once a step; the actor twice, because the weight sync
-            # reads its parameters through onload(), which brings its gradients and optimizer
-            # state back too (megarl/trainer.py _actor_shards) before they leave again.
-            moved += part * (2 if r == "actor" else 1)
+            # Each engine goes out and back once a step; the actor's parameters twice, because the
+            # weight sync reads them back (MegatronEngine.local_weight_shards onloads only the
+            # parameters; gradients and optimizer state stay on the host) before they leave again.
+            moved += part + (st.params if r == "actor" and run.param_offload else 0.0)
         resident = params + grads + optim - offloaded
         moved_rows.append(moved)
         gen_rows.append({"stage": s, "training_state": resident})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -58,26 +59,44 @@ class RolloutSetup:
     """What the trainer needs to drive a rollout engine.
 
     engine: the RolloutEngine. weight_layout: the layout of the tensors its `load_weights`
-    accepts, for the HybridEngine (tp 1 = full HF tensors on every rank: what the hf engine, vLLM's
-    and SGLang's loaders take; they slice them per rank themselves). groups: the engine
-    instance's ranks (megarl.parallel.RolloutGroups), for dispatching prompts.
+    accepts, for the HybridEngine, and convert: canonical Megatron name + tensor of that layout ->
+    what `load_weights` takes. weight_path: "direct" (vLLM, dense families: each rank receives
+    exactly its rollout shard, written into vLLM's own sharded parameters,
+    megarl.rollout.vllm_direct) or "full" (full HF tensors on every rank, sliced by the engine:
+    the hf engine, SGLang, vLLM for MoE and anything the direct path does not cover);
+    weight_path_reason says why. groups: the engine instance's ranks
+    (megarl.parallel.RolloutGroups), for dispatching prompts.
     """
 
     engine: RolloutEngine
     weight_layout: object
     groups: object
+    convert: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
+    weight_path: str = "full"
+    weight_path_reason: str = ""
+
+
+WEIGHT_SYNC_MODES = ("auto", "direct", "full")
 
 
 def build_rollout(name: str, hf_dir: str, groups, *, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                  memory_fraction: float | None = None, max_model_len: int | None = None) -> RolloutSetup:
+                  memory_fraction: float | None = None, max_model_len: int | None = None, train_tp: int = 1,
+                  weight_sync: str = "auto", log: Callable[[str], None] | None = print) -> RolloutSetup:
     """The engine for rollout groups `groups` (ParallelDims.rollout_groups(tp)) and its weight layout.
 
     memory_fraction: the accelerator memory the engine may take (vLLM gpu_memory_utilization,
     SGLang mem_fraction_static; unused by hf and by vLLM on CPU). max_model_len: prompt +
-    response tokens (vLLM sizes its KV cache blocks with it).
+    response tokens (vLLM sizes its KV cache blocks with it). train_tp: the actor's tensor
+    parallelism (its padded vocabulary). weight_sync: "auto" takes the direct path wherever it
+    applies, "full" always sends full HF tensors, "direct" refuses to fall back. Collective over the
+    default group (vLLM: the engine and the path decision). log: rank 0 says which path runs.
     """
+    import torch.distributed as dist
+
     from megarl.hybrid.layout import RolloutLayout
 
+    if weight_sync not in WEIGHT_SYNC_MODES:
+        raise ValueError(f"weight_sync must be one of {WEIGHT_SYNC_MODES}, got {weight_sync!r}")
     cpu = torch.device(device).type == "cpu"
     options: dict = {}
     if name == "vllm":
@@ -90,7 +109,44 @@ def build_rollout(name: str, hf_dir: str, groups, *, seed: int = 0, device: str 
         options["mem_fraction_static"] = memory_fraction
     engine = build_rollout_engine(name, hf_dir, tp=groups.size, seed=seed, device=device, dtype=dtype,
                                   group=groups.group, group_ranks=list(groups.ranks), **options)
-    return RolloutSetup(engine=engine, weight_layout=RolloutLayout(tp=1), groups=groups)
+    setup = RolloutSetup(engine=engine, weight_layout=RolloutLayout(tp=1), groups=groups,
+                         convert=_full_hf_converter(hf_dir, train_tp),
+                         weight_path_reason=f"rollout.engine={name} loads full HF tensors")
+    if name == "vllm" and weight_sync != "full":
+        from megarl.models.families import load_spec
+        from megarl.rollout.vllm_direct import choose
+
+        path = choose(engine, load_spec(hf_dir), groups.size)
+        if isinstance(path, str):
+            if weight_sync == "direct":
+                raise ValueError(f"weight_sync='direct' but the direct path does not apply: {path}; use 'auto' or 'full'")
+            setup.weight_path_reason = f"the direct path does not apply: {path}"
+        else:
+            engine.use_direct_weights()
+            setup.weight_layout, setup.convert, setup.weight_path = path.layout, path.convert, "direct"
+            setup.weight_path_reason = (f"each rank receives its rollout tp{groups.size} shard and writes it into vLLM's "
+                                        f"sharded parameters")
+    elif name == "vllm":
+        setup.weight_path_reason = "weight_sync='full' asked for full HF tensors"
+    if log is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        log(f"megarl: weight sync into rollout.engine={name}: {setup.weight_path} path ({setup.weight_path_reason})")
+    return setup
+
+
+def _full_hf_converter(hf_dir: str, train_tp: int):
+    """Canonical full tensor -> its HF tensors (megarl.models.convert.to_hf); the model's
+    config.json is read at the first call."""
+    mappings: dict = {}
+
+    def convert(name: str, full: torch.Tensor):
+        from megarl.models.convert import to_hf, weight_mappings
+        from megarl.models.families import load_spec
+
+        if not mappings:
+            mappings.update({m.name: m for m in weight_mappings(load_spec(hf_dir), train_tp)})
+        return to_hf(mappings[name], full)
+
+    return convert
 
 
 __all__ = ["ENGINES", "MissingEngineError", "RolloutEngine", "RolloutRequest", "RolloutResult", "RolloutSetup", "SamplingParams",

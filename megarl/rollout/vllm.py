@@ -219,18 +219,39 @@ class VLLMRolloutEngine:
         self._weights_awake = self._kv_awake = not self.sleep_mode
         self._weights_valid = False
         self._tied = ties_embeddings(config.hf_dir)
+        self.weight_format = "hf"  # full HF tensors into reload_weights; "direct": see use_direct_weights
         # created after vLLM's own exit hook, so it runs first at exit (finalizers run newest first)
         self._finalizer = weakref.finalize(self, _shutdown_keeping_default_group, self.llm.llm_engine.engine_core)
 
+    def describe_model(self) -> dict:
+        """This rank's vLLM model as the direct weight path sees it (megarl.rollout.vllm_direct)."""
+        from megarl.rollout.vllm_direct import describe_model
+
+        return self.llm.collective_rpc(describe_model)[0]
+
+    def use_direct_weights(self) -> None:
+        """From now on `load_weights` takes (vLLM parameter name, this rank's shard) pairs, in vLLM's
+        layout (megarl.rollout.vllm_direct), instead of full HF tensors."""
+        self.weight_format = "direct"
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Full HF-checkpoint tensors, in layer order, every rank of the group the same stream.
+        """Full HF-checkpoint tensors, in layer order, every rank of the group the same stream; or,
+        after `use_direct_weights`, this rank's shards of vLLM's own parameters.
 
         reload_weights (layerwise reload) runs vLLM's post-load processing per layer, which
-        quantized and repacked MoE kernels need; it must see the whole model in one call.
+        quantized and repacked MoE kernels need; it must see the whole model in one call. The
+        direct path runs the same processing per module (vllm_direct.write_shards).
         """
         if not self._weights_awake:
             self.llm.wake_up(tags=["weights"])
             self._weights_awake = True
+        if self.weight_format == "direct":
+            from megarl.rollout.vllm_direct import write_shards
+
+            self.llm.collective_rpc(write_shards, args=(iter(weights),))
+            self.llm.reset_prefix_cache()
+            self._weights_valid = True
+            return
         # Copies: vLLM's layerwise reload keeps each tensor until its layer has all its weights
         # (model_loader/reload/layerwise.py buffers the loader arguments), while a HybridEngine
         # stream's tensors are only valid until the next item is requested.

@@ -30,7 +30,18 @@ CASES = [
     ("tp4->2 consecutive", DENSE, (4, 1, 1, 1), 2, "consecutive", 30_000),
     ("moe tp2ep2->1", MOE, (2, 1, 2, 2), 1, "micro_dp", 20_000),
     ("moe tp1ep4->2", MOE, (1, 1, 4, 4), 2, "micro_dp", 20_000),
+    # what vLLM and SGLang impose: rollout TP groups of consecutive ranks (r % tp), on 4 processes
+    ("tp2pp2->2 consecutive", DENSE, (2, 2, 1, 1), 2, "consecutive", 30_000),
+    ("tp1dp4->2 consecutive", DENSE, (1, 1, 4, 1), 2, "consecutive", 30_000),
+    ("moe tp2ep2->2 consecutive", MOE, (2, 1, 2, 2), 2, "consecutive", 20_000),
+    ("moe tp1ep2pp2->2 consecutive", MOE, (1, 2, 2, 2), 2, "consecutive", 20_000),
+    ("moe tp1ep4->4 consecutive", MOE, (1, 1, 4, 4), 4, "consecutive", 20_000),
+    # vLLM's padded vocabulary (megarl.rollout.vllm_direct): rank q needs rows the even split does not give
+    ("tp4->2 consecutive, vLLM vocab rows", DENSE, (4, 1, 1, 1), 2, "consecutive", 30_000),
 ]
+# rows of the vocabulary tensors per rollout rank where the engine splits them its own way:
+# 250 real rows of 256, vLLM-style boundary at 160 (its padded vocabulary / 2) instead of 128
+VOCAB_ROWS = {"tp4->2 consecutive, vLLM vocab rows": ((0, 160), (160, 250))}
 
 
 def run(rank: int, port: int, out_dir: str) -> None:
@@ -40,17 +51,25 @@ def run(rank: int, port: int, out_dir: str) -> None:
     for label, model, (tp, pp, dp, ep), rollout_tp, grouping, bucket in CASES:
         train = TrainLayout(tp, pp, dp, ep)
         local, full = synthetic_shards(model, train, rank, seed=len(label), keep_full=True)
-        hybrid = HybridEngine(local, train=train, rollout=RolloutLayout(rollout_tp, grouping), bucket_bytes=bucket)
+        rows = VOCAB_ROWS.get(label)
+        vocab_rows = {n: rows for n in ("embedding.word_embeddings.weight", "output_layer.weight")} if rows else {}
+        hybrid = HybridEngine(local, train=train, rollout=RolloutLayout(rollout_tp, grouping, rows=tuple(vocab_rows.items())),
+                              bucket_bytes=bucket)
         if "all_gather_single" in label:  # gloo runs all-gathers as broadcasts by default
             hybrid._runner.all_gather_as_broadcasts = False
         q, seen = hybrid.rollout_tp_rank, []
         for name, tensor in hybrid.stream():
             spec = hybrid.plan.specs[name]
-            expected = ShardMeta(spec.full_shape, spec.tp_dim, q, rollout_tp, spec.sub_chunks).slice_of_full(full[name])
+            if name in vocab_rows:
+                expected = full[name][slice(*vocab_rows[name][q])]
+            else:
+                expected = ShardMeta(spec.full_shape, spec.tp_dim, q, rollout_tp, spec.sub_chunks).slice_of_full(full[name])
             assert torch.equal(tensor, expected), f"{label}: rank {rank} got a wrong {name}"
             seen.append(name)
         assert sorted(seen) == sorted(full), f"{label}: rank {rank} missed {set(full) - set(seen)}"
         s = hybrid.last_stats
+        if grouping == "consecutive":  # vLLM's TP rank order: blocks of rollout_tp consecutive ranks
+            assert q == rank % rollout_tp and hybrid.rollout_group_ranks == tuple(range(rank - q, rank - q + rollout_tp))
         report[label] = dict(bytes_received=s.bytes_received, exact_min=hybrid.plan.min_recv_bytes[rank],
                              hybridflow=hybridflow_bytes_per_rank(model.nbytes, train, rollout_tp), peak=s.peak_extra_bytes,
                              bucket=bucket, largest=hybrid.plan.largest_tensor_bytes)

@@ -100,3 +100,36 @@ def test_metadata_errors_are_actionable():
     metas = [shard_metadata(synthetic_shards(odd, train, r)[0]) for r in range(4)]
     with pytest.raises(ValueError, match=r"not divisible into lcm\(train tp 2, rollout tp 4\) = 4 units"):
         make_plan(build_specs(metas), train, assign_rollout(train, RolloutLayout(4)), 4, 1 << 20)
+
+
+def test_engine_rows_move_only_the_rows_between_the_two_boundaries():
+    # vLLM splits the (padded) vocabulary at its own boundary: 256 rows, engine rank 0 needs rows
+    # 0-159, rank 1 rows 160-249 (250 real rows); training tp2 splits at row 128. Rank 0 receives
+    # rows 128-159 of both vocabulary tensors (32 x 64 fp32 = 8 KiB each), rank 1 nothing more.
+    train, rows = TrainLayout(2, 1, 1), ((0, 160), (160, 250))
+    metas = [shard_metadata(synthetic_shards(MODEL, train, r)[0]) for r in range(2)]
+    vocab = {"embedding.word_embeddings.weight": rows, "output_layer.weight": rows}
+    assignment = assign_rollout(train, RolloutLayout(2, grouping="consecutive"))
+    plan = make_plan(build_specs(metas), train, assignment, 2, 1 << 20, vocab)
+    even = make_plan(build_specs(metas), train, assignment, 2, 1 << 20)
+    assert even.min_recv_bytes == [0, 0]  # the trainer's own split: nothing moves
+    assert plan.min_recv_bytes == [2 * 32 * 64 * 4, 0] and plan.planned_recv_bytes == plan.min_recv_bytes
+    assert plan.needed_bytes[0] - even.needed_bytes[0] == 2 * (160 - 128) * 64 * 4  # 160 rows instead of 128
+    assert plan.needed_bytes[1] - even.needed_bytes[1] == 2 * (90 - 128) * 64 * 4  # 90 rows instead of 128
+    with pytest.raises(ValueError, match="one row range per rollout rank"):
+        make_plan(build_specs(metas), train, assignment, 2, 1 << 20, {"decoder.final_layernorm.weight": rows})
+
+
+@pytest.mark.parametrize("tp,pp,dp,ep,rollout_tp", [(2, 1, 2, 2, 2), (1, 1, 4, 4, 2), (1, 2, 2, 2, 2), (1, 1, 4, 2, 4)])
+def test_vllm_rank_order_under_expert_parallelism(tp, pp, dp, ep, rollout_tp):
+    # The groups vLLM and SGLang form (consecutive ranks, TP rank r % tp) over MoE layouts with ep:
+    # every rank plans to receive exactly its rollout shard minus what it holds, experts included.
+    moe = SyntheticModel(num_layers=2, hidden=32, ffn_hidden=32, vocab=64, num_experts=4)
+    train = TrainLayout(tp, pp, dp, ep)
+    a = assign_rollout(train, RolloutLayout(rollout_tp, grouping="consecutive"))
+    assert a.rollout_tp_rank == tuple(r % rollout_tp for r in range(4))
+    assert a.rollout_groups == tuple(tuple(range(s, s + rollout_tp)) for s in range(0, 4, rollout_tp))
+    plan = _plan(train, RolloutLayout(rollout_tp, grouping="consecutive"), model=moe)
+    assert plan.planned_recv_bytes == plan.min_recv_bytes
+    # each rank needs 1/rollout_tp of every split tensor and all replicated ones: the same on every rank
+    assert len(set(plan.needed_bytes)) == 1 and plan.needed_bytes[0] < plan.model_bytes

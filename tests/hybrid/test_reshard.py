@@ -1,5 +1,6 @@
 """The 3D-HybridEngine on 4 gloo processes: every rank's rollout shard equals the slice of the
-full tensor for tp4 / tp2 x pp2 / tp2 x dp2 / MoE with EP layouts, bytes received equal the
+full tensor for tp4 / tp2 x pp2 / tp2 x dp2 / MoE with EP layouts, also in vLLM's consecutive
+rank order (with the engine's own vocabulary rows), bytes received equal the
 exact minimum and stay within 5% of HybridFlow's bound, and peak extra memory stays within one
 bucket plus the largest tensor."""
 from __future__ import annotations

@@ -189,8 +189,10 @@ def test_builder_passes_the_trainers_dtype(fake_vllm, single_rank):
     from megarl.parallel import RolloutGroups
     from megarl.rollout import build_rollout
 
-    setup = build_rollout("vllm", "/m", RolloutGroups.consecutive(1), dtype=torch.bfloat16, max_model_len=64)
+    setup = build_rollout("vllm", "/m", RolloutGroups.consecutive(1), dtype=torch.bfloat16, max_model_len=64, weight_sync="full")
     kwargs = fake_vllm.calls[0][1]
     assert kwargs["dtype"] == "bfloat16" and kwargs["max_model_len"] == 64
     assert kwargs["kv_cache_memory_bytes"] == 256 << 20 and kwargs["enforce_eager"] is True  # CPU sizing
-    assert setup.weight_layout.tp == 1  # vLLM's loader takes full HF tensors and slices them itself
+    # weight_sync="full": vLLM's loader takes full HF tensors and slices them itself (the direct
+    # path, which reads the real engine's parameters, is tested against real vLLM in tests/vllm)
+    assert setup.weight_layout.tp == 1 and setup.weight_path == "full"

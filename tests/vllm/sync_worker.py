@@ -3,13 +3,19 @@
 One real vLLM engine per job (rollout tp `--rollout-tp`: one TP2 engine over the 2 ranks, or two
 TP1 replicas), built once; then for each training layout a Megatron actor is loaded, perturbed
 (differently per layout, so every sync replaces weights the engine already holds), synced through
-the HybridEngine with the layout the rollout builder returned, and asked for greedy responses; the
-actor is exported as an HF checkpoint for the test to compare against transformers.
+the HybridEngine with the layout the rollout builder returned (the direct path for this llama:
+each rank's rollout shard written into vLLM's parameters), and asked for greedy responses; the
+actor is exported as an HF checkpoint for the test to compare against transformers. Per sync the
+rank's bytes received are recorded beside the bound (its rollout shard minus what it holds) and
+beside the bytes of vLLM's own parameters on the rank. With --corrupt, the first layout is synced
+once more with one rank's down_proj shard scaled x1.5 (greedy output recorded as "corrupted"),
+before its correct sync.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import zlib
 
@@ -18,7 +24,6 @@ import torch.distributed as dist
 
 from megarl.engine.engine import EngineConfig, MegatronEngine
 from megarl.hybrid import HybridEngine, TrainLayout
-from megarl.models.convert import to_hf, weight_mappings
 from megarl.models.weights import save_hf_checkpoint
 from megarl.parallel import RolloutGroups, dims_from_env
 from megarl.rollout import build_rollout
@@ -35,6 +40,7 @@ def main() -> None:
     p.add_argument("--layouts", nargs="+", required=True, help="tp,pp pairs (dp = world / (tp * pp))")
     p.add_argument("--out", required=True)
     p.add_argument("--tmp", required=True)
+    p.add_argument("--corrupt", action="store_true")
     args = p.parse_args()
     os.environ["HF_HUB_OFFLINE"] = "1"
     results, setup = [], None
@@ -52,19 +58,26 @@ def main() -> None:
         shards = actor.local_weight_shards()
         if actor.spec.tie_embeddings:
             shards.pop("output_layer.weight", None)
-        maps = {m.name: m for m in weight_mappings(actor.spec, tp)}
         hybrid = HybridEngine(shards, train=TrainLayout(tp=tp, pp=pp, dp=dims.dp), rollout=setup.weight_layout,
-                              bucket_bytes=1 << 16, convert=lambda n, full: to_hf(maps[n], full))
+                              bucket_bytes=1 << 16, convert=setup.convert)
+        corrupted = None
+        if args.corrupt and i == 0:  # one rank's shard of one layer scaled: the sync check must see it
+            hybrid.convert = _corrupting(setup.convert, rank=dims.world_size - 1)
+            hybrid.sync(setup.engine, shards)
+            corrupted = _greedy(setup.engine)
+            hybrid.convert = setup.convert
         stats = hybrid.sync(setup.engine, shards)
         # every rank of an engine instance makes the same calls with the same prompts (lockstep)
         outs = setup.engine.generate([RolloutRequest(tuple(ids), k) for k, ids in enumerate(PROMPTS)], GREEDY)
         export_dir = f"{args.tmp}/export-{i}-tp{tp}-pp{pp}"
         save_hf_checkpoint(actor.module, actor.spec, dims, export_dir, args.model)
         dist.barrier()
-        mine = dict(tokens=[o.response_token_ids for o in outs], logprobs=[o.logprobs for o in outs])
+        mine = dict(tokens=[o.response_token_ids for o in outs], logprobs=[o.logprobs for o in outs], corrupted=corrupted,
+                    bytes_received=stats.bytes_received, bound_bytes=hybrid.plan.min_recv_bytes[dims.rank],
+                    needed_bytes=hybrid.plan.needed_bytes[dims.rank], vllm_shard_bytes=_vllm_shard_bytes(setup.engine))
         gathered = [None] * dims.world_size
         dist.all_gather_object(gathered, mine)
-        results.append(dict(tp=tp, pp=pp, dp=dims.dp, export=export_dir, per_rank=gathered, sync_bytes=stats.bytes_received,
+        results.append(dict(tp=tp, pp=pp, dp=dims.dp, export=export_dir, per_rank=gathered, weight_path=setup.weight_path,
                             rollout_group=list(setup.groups.ranks)))
         dims.destroy()
     setup.engine.close()
@@ -74,6 +87,33 @@ def main() -> None:
             json.dump(results, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _greedy(engine) -> dict:
+    outs = engine.generate([RolloutRequest(tuple(ids), k) for k, ids in enumerate(PROMPTS)], GREEDY)
+    return dict(tokens=[o.response_token_ids for o in outs], logprobs=[o.logprobs for o in outs])
+
+
+def _corrupting(convert, rank: int):
+    def corrupt(name, shard):
+        out = convert(name, shard)
+        if dist.get_rank() == rank and name == "decoder.layers.1.mlp.linear_fc2.weight":
+            out = [(n, t * 1.5) for n, t in out]
+        return out
+
+    return corrupt
+
+
+def _vllm_shard_bytes(engine) -> int:
+    """Bytes of vLLM's parameters on this rank, vocabulary padding rows left out (nobody sends those)."""
+    desc = engine.describe_model()
+    total = sum(4 * math.prod(shape) for shape in desc["params"].values())  # float32
+    vocab = desc["vocab"]
+    lo, hi = vocab["rows"]
+    for name, shape in desc["params"].items():
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            total -= 4 * (shape[0] - (hi - lo)) * shape[1]
+    return total
 
 
 if __name__ == "__main__":

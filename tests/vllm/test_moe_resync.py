@@ -25,6 +25,8 @@ def moe(world_of_one, tmp_path_factory):
 
     model_dir = make_vllm_model(tmp_path_factory.mktemp("moe") / "qwen3_moe", arch="qwen3_moe")
     setup = build_rollout("vllm", str(model_dir), world_of_one.rollout_groups(1), dtype=torch.float32, max_model_len=64)
+    # the direct path covers the dense families: MoE falls back to full HF tensors, and says so
+    assert setup.weight_path == "full" and "qwen3_moe family" in setup.weight_path_reason, setup.weight_path_reason
     yield model_dir, setup.engine
     setup.engine.close()
 

@@ -25,7 +25,8 @@ def model_dir(tmp_path_factory):
 def bf16_engine(world_of_one, model_dir):
     from megarl.rollout import build_rollout
 
-    setup = build_rollout("vllm", str(model_dir), world_of_one.rollout_groups(1), dtype=torch.bfloat16, max_model_len=64)
+    setup = build_rollout("vllm", str(model_dir), world_of_one.rollout_groups(1), dtype=torch.bfloat16, max_model_len=64,
+                          weight_sync="full")  # these tests feed HF tensors straight to load_weights
     yield setup.engine
     setup.engine.close()
 

@@ -39,7 +39,7 @@ def setup(world_of_one, model_dir):
     from megarl.rollout import build_rollout
 
     setup = build_rollout("vllm", str(model_dir), world_of_one.rollout_groups(1), seed=3, dtype=torch.float32,
-                          max_model_len=128)
+                          max_model_len=128, weight_sync="full")  # HF tensors straight into load_weights
     yield setup
     setup.engine.close()
 
