@@ -52,6 +52,7 @@ def main() -> int:
     p.add_argument("--ppo-steps", action="store_true", help="measure PPO steps of the demo instead (see above)")
     p.add_argument("--steps", type=int, default=4, help="--ppo-steps: PPO steps per run (the first is dropped)")
     p.add_argument("--response-lengths", type=int, nargs="+", default=(4, 8, 16, 32), help="--ppo-steps: rollout.max_new_tokens values")
+    p.add_argument("--overrides", nargs="*", default=[], help="--ppo-steps: config overrides for every run (key=value)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if args.ppo_steps:
@@ -141,7 +142,7 @@ def ppo_steps(args) -> int:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                    "benchmarks/_ppo_probe.py", "--config", "configs/tiny_cpu.yaml", f"trainer.run_dir={run_dir}",
                    f"trainer.total_steps={args.steps}", "trainer.save_every_steps=0", "tracking.progress_bar=false",
-                   "tracking.mlflow=false", *overrides]
+                   "tracking.mlflow=false", *args.overrides, *overrides]
             subprocess.run(cmd, cwd=repo, check=True, env=dict(os.environ, PYTHONWARNINGS="ignore"),
                            stdout=subprocess.DEVNULL)
             rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -151,6 +152,8 @@ def ppo_steps(args) -> int:
             r["bench/cpu_s/all_phases"] = sum(v for k, v in r.items() if k.startswith("bench/cpu_s/"))
         return {"step_seconds": med("timing_s/step"), "update_actor_seconds": med("timing_s/update_actor"),
                 "gen_seconds": med("timing_s/gen"), "response_length_mean": med("response_length/mean"),
+                # Responses that ran to max_new_tokens: padded micro-batches are as wide as they.
+                "response_length_clip_ratio": med("response_length/clip_ratio"),
                 "cpu_seconds_rank0": {"step": med("bench/cpu_s/all_phases"), "update_actor": med("bench/cpu_s/update_actor"),
                                       "gen": med("bench/cpu_s/gen")}}
 
@@ -162,7 +165,8 @@ def ppo_steps(args) -> int:
                        "cpu_speedup_dp2_over_dp1": round(one["cpu_seconds_rank0"]["step"] / two["cpu_seconds_rank0"]["step"], 3)},
         "step_time_by_max_new_tokens_dp2": lengths,
         "command": f"python benchmarks/overhead.py --ppo-steps --steps {args.steps} --response-lengths "
-                   + " ".join(map(str, args.response_lengths)) + f" --out {args.out}",
+                   + " ".join(map(str, args.response_lengths))
+                   + (" --overrides " + " ".join(args.overrides) if args.overrides else "") + f" --out {args.out}",
         "machine": {"processor": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "load_average_1_5_15": list(os.getloadavg()),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
