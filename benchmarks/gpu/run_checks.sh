@@ -56,7 +56,7 @@ run() {  # run NAME SECONDS ARGS...: one check under its own time limit, its log
   local name=$1 limit=$2
   shift 2
   echo "== $name (limit ${limit}s)"
-  timeout "$limit" "$PY" benchmarks/gpu/checks.py "$@" --out "$RESULTS" "${mode[@]}" 2>&1 | tee "$RESULTS/$name.log" | tail -40
+  timeout "$limit" "$PY" benchmarks/gpu/checks.py "$@" --out "$RESULTS" ${mode[@]+"${mode[@]}"} 2>&1 | tee "$RESULTS/$name.log" | tail -40
   local rc=${PIPESTATUS[0]}
   echo "== $name: exit $rc"
   [ "$rc" = 0 ] || status=1
