@@ -29,6 +29,7 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -133,28 +134,30 @@ def parity(args, dims, gpu: bool) -> dict:
     lengths = (7, 12, 3, 9, 16) if args.tiny else (7, 12, 3, 9, 16, 64, 128, 200)
     rows, ok = {}, True
     for family in families:
+        model_dir = Path(tempfile.mkdtemp(prefix=f"megarl_gpucheck_{family}_"))
         try:
-            rows[family] = parity_one(family, dims, gpu, lengths, gen)
+            rows[family] = parity_one(family, model_dir, dims, gpu, lengths, gen)
             ok &= rows[family]["ok"]
         except Exception as err:  # one broken family must not hide the others' numbers
             rows[family] = {"ok": False, "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
             ok = False
+        finally:
+            shutil.rmtree(model_dir, ignore_errors=True)
     return {"check": "issue 12: bf16 log-probs of megarl vs transformers, every family (MoE forward without TE)",
             "sequence_lengths": list(lengths), "families": rows, "ok": ok,
             "rule": "ok when megarl-bf16 vs transformers-fp32 has mean |d| <= 2 x transformers-bf16's own mean |d| + 0.01 "
                     "and max |d| <= 2 x its max |d| + 0.05 (--tiny: float32, both within 1e-4)"}
 
 
-def parity_one(family: str, dims, gpu: bool, lengths, gen) -> dict:
+def parity_one(family: str, model_dir: Path, dims, gpu: bool, lengths, gen) -> dict:
     from transformers import AutoModelForCausalLM
 
     from megarl.models import load_model
     from megarl.tools.logprobs import sequence_logprobs
     from megarl.tools.make_tiny_model import make_tiny_model
 
-    model_dir = Path(tempfile.gettempdir()) / f"megarl_gpucheck_{family}"
-    if not (model_dir / "config.json").exists():
-        make_tiny_model(family, model_dir, vocab_size=301)
+    # Made afresh every run (seconds): a model cached from an older make_tiny_model could hide a change.
+    make_tiny_model(family, model_dir, vocab_size=301)
     sequences = [torch.randint(0, 301, (n,), generator=gen).tolist() for n in lengths]
     dtype = "bfloat16" if gpu else "float32"
     model, spec = load_model(model_dir, dims, dtype=dtype)
