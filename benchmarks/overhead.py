@@ -11,7 +11,9 @@ clip, AdamW). megarl: MegatronEngine.forward_only + train_step. Baseline: AutoMo
 (sdpa attention) with a hand-written loop. The two alternate in one run (which goes first flips
 every round, so a change in machine load hits both), at two sequence lengths with the same token
 count per update. Reported: median seconds per update, ratio_megarl_over_baseline (the larger of
-the two lengths' ratios at the top level, every length in "by_seq_len"), and model FLOPs
+the two lengths' ratios at the top level, every length in "by_seq_len"; on CPU beside it
+ratio_cpu_time, the ratio of the process's CPU seconds, which the neighbours' load on a shared
+machine barely moves since each side runs on one thread), and model FLOPs
 utilisation: FLOPs of the update (8 x non-embedding params per token for forward + forward +
 backward, plus causal attention) per second over the device's peak (--peak-tflops on GPU; on CPU
 the best float32 matmul rate this process reached, measured every round of the same run;
@@ -19,7 +21,7 @@ on a CPU shared with other jobs that best rate can still be below the idle peak,
 an upper bound and the ratio is the number to read).
 
 --ppo-steps instead measures whole PPO steps of the CPU demo (configs/tiny_cpu.yaml through
-launch/ppo.py, as benchmarks/step_time.py does): 1 against 2 data-parallel processes at the same
+benchmarks/_ppo_probe.py, launch/ppo.py with rank 0's CPU seconds per phase): 1 against 2 data-parallel processes at the same
 global batch (data.prompts_per_step is global), and the step time at several response lengths
 (rollout.max_new_tokens; the measured mean response length is reported beside it, since eos may
 end responses early), to show whether time grows linearly with length.
@@ -50,6 +52,7 @@ def main() -> int:
     p.add_argument("--ppo-steps", action="store_true", help="measure PPO steps of the demo instead (see above)")
     p.add_argument("--steps", type=int, default=4, help="--ppo-steps: PPO steps per run (the first is dropped)")
     p.add_argument("--response-lengths", type=int, nargs="+", default=(4, 8, 16, 32), help="--ppo-steps: rollout.max_new_tokens values")
+    p.add_argument("--overrides", nargs="*", default=[], help="--ppo-steps: config overrides for every run (key=value)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if args.ppo_steps:
@@ -78,12 +81,15 @@ def main() -> int:
     for seq in args.seq_lens:
         batch = make_batch(args.tokens // seq, seq, vocab)
         times = {"megarl": [], "baseline": []}
+        cpu = {"megarl": [], "baseline": []}  # process CPU seconds: what the neighbours' load leaves alone
         runs = {"megarl": lambda: megarl_update(engine, batch), "baseline": lambda: baseline.update(batch)}
         for side in runs:  # warm-up
             runs[side]()
         for r in range(args.rounds):
             for side in (("megarl", "baseline") if r % 2 == 0 else ("baseline", "megarl")):
+                start_cpu = time.process_time()
                 times[side].append(timed(runs[side], gpu))
+                cpu[side].append(time.process_time() - start_cpu)
             if not gpu:  # a loaded CPU's matmul rate swings: keep the best seen during the run
                 peak = max(peak, cpu_matmul_flops())
         tokens = args.tokens
@@ -98,6 +104,9 @@ def main() -> int:
             "ratio_megarl_over_baseline": round(med["megarl"] / med["baseline"], 3),
             # Each round's two runs are neighbours in time: their ratio is less exposed to load swings.
             "ratio_per_round_median": round(statistics.median(m / b for m, b in zip(times["megarl"], times["baseline"])), 3),
+            "cpu_seconds_megarl": [round(t, 4) for t in cpu["megarl"]], "cpu_seconds_baseline": [round(t, 4) for t in cpu["baseline"]],
+            # One thread per process on CPU: CPU time is the work, unlike wall time on a shared machine.
+            "ratio_cpu_time": None if gpu else round(statistics.median(cpu["megarl"]) / statistics.median(cpu["baseline"]), 3),
         }
     for seq, (flops, med) in mfu.items():  # against the final (best) peak
         by_len[seq].update(mfu_megarl=round(flops / med["megarl"] / peak, 4), mfu_baseline=round(flops / med["baseline"] / peak, 4))
@@ -131,28 +140,39 @@ def ppo_steps(args) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             run_dir = Path(tmp) / "run"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                   "launch/ppo.py", "--config", "configs/tiny_cpu.yaml", f"trainer.run_dir={run_dir}",
+                   "benchmarks/_ppo_probe.py", "--config", "configs/tiny_cpu.yaml", f"trainer.run_dir={run_dir}",
                    f"trainer.total_steps={args.steps}", "trainer.save_every_steps=0", "tracking.progress_bar=false",
-                   "tracking.mlflow=false", *overrides]
+                   "tracking.mlflow=false", *args.overrides, *overrides]
             subprocess.run(cmd, cwd=repo, check=True, env=dict(os.environ, PYTHONWARNINGS="ignore"),
                            stdout=subprocess.DEVNULL)
             rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         rows = [r for r in rows if "event" not in r][1:]  # the first step warms up
         med = lambda key: round(statistics.median(r[key] for r in rows), 4)  # noqa: E731
+        for r in rows:  # rank 0's CPU seconds over the step's phases (_ppo_probe.py)
+            r["bench/cpu_s/all_phases"] = sum(v for k, v in r.items() if k.startswith("bench/cpu_s/"))
         return {"step_seconds": med("timing_s/step"), "update_actor_seconds": med("timing_s/update_actor"),
-                "gen_seconds": med("timing_s/gen"), "response_length_mean": med("response_length/mean")}
+                "gen_seconds": med("timing_s/gen"), "response_length_mean": med("response_length/mean"),
+                # Responses that ran to max_new_tokens: padded micro-batches are as wide as they.
+                "response_length_clip_ratio": med("response_length/clip_ratio"),
+                "cpu_seconds_rank0": {"step": med("bench/cpu_s/all_phases"), "update_actor": med("bench/cpu_s/update_actor"),
+                                      "gen": med("bench/cpu_s/gen")}}
 
     one, two = run(1), run(2)
     lengths = {str(n): run(2, f"rollout.max_new_tokens={n}") for n in args.response_lengths}
     result = {
-        "dp_scaling": {"dp1": one, "dp2": two, "speedup_dp2_over_dp1": round(one["step_seconds"] / two["step_seconds"], 3)},
+        "dp_scaling": {"dp1": one, "dp2": two, "speedup_dp2_over_dp1": round(one["step_seconds"] / two["step_seconds"], 3),
+                       # Work per rank, which the neighbours' load on a shared machine does not move.
+                       "cpu_speedup_dp2_over_dp1": round(one["cpu_seconds_rank0"]["step"] / two["cpu_seconds_rank0"]["step"], 3)},
         "step_time_by_max_new_tokens_dp2": lengths,
         "command": f"python benchmarks/overhead.py --ppo-steps --steps {args.steps} --response-lengths "
-                   + " ".join(map(str, args.response_lengths)) + f" --out {args.out}",
+                   + " ".join(map(str, args.response_lengths))
+                   + (" --overrides " + " ".join(args.overrides) if args.overrides else "") + f" --out {args.out}",
         "machine": {"processor": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "load_average_1_5_15": list(os.getloadavg()),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "note": "medians over the steps after the first; the same global batch (64 prompts x 8 samples) in every run",
+        "note": "medians over the steps after the first; the same global batch (data.prompts_per_step x "
+                "rollout.samples_per_prompt of configs/tiny_cpu.yaml) in every run; cpu_seconds_rank0: process CPU "
+                "seconds of rank 0 (benchmarks/_ppo_probe.py), the work a rank does whatever the machine's load",
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

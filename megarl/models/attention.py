@@ -73,15 +73,21 @@ class SDPACoreAttention(MegatronModule):
         """[sq, b, heads, dk], [sk, b, groups, dk], [sk, b, groups, dv] -> [sq, b, heads * dv]."""
         sq, b = query.shape[:2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
+        gqa = {}
         if self.heads != self.groups:
-            # Expanded K/V (a view until SDPA needs it) keep every SDPA kernel eligible: flash
-            # refuses enable_gqa with unequal head sizes, and some builds lack the argument.
-            repeat = self.heads // self.groups
-            k, v = (t.repeat_interleave(repeat, dim=1) for t in (k, v))
+            if attention_mask is None and self.k_channels == self.v_channels:
+                # The flash kernels (CPU and CUDA) read grouped K/V in place: no expanded copy, and
+                # no reduction of its gradient over the repeats in backward.
+                gqa = {"enable_gqa": True}
+            else:
+                # With a mask (CUDA: memory-efficient kernel) or unequal head sizes flash is out and
+                # the other kernels refuse enable_gqa: expand K/V to keep them eligible.
+                repeat = self.heads // self.groups
+                k, v = (t.repeat_interleave(repeat, dim=1) for t in (k, v))
         mask, causal = None, mask_type == AttnMaskType.causal
         if attention_mask is not None:  # Megatron's convention: True = masked out
             mask, causal = ~attention_mask.bool(), False
         context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                  dropout_p=self.dropout if self.training else 0.0,
-                                                 scale=self.softmax_scale)
+                                                 scale=self.softmax_scale, **gqa)
         return context.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.v_channels)

@@ -103,6 +103,10 @@ def vocab_parallel_logprobs(
         raise ValueError(f"target_ids must have shape {tuple(logits.shape[:-1])} (logits without vocab), "
                          f"got {tuple(target_ids.shape)}")
     x, vocab_start = _valid_columns(logits, tp_group, vocab_start, true_vocab_size)
+    if tp_group is None and x.shape[-1] > 0:
+        # The whole vocabulary is here: one fused log_softmax pass (and one in backward) instead
+        # of the centre / exp / sum / log passes the split vocabulary needs.
+        return torch.log_softmax(x, dim=-1).gather(-1, (target_ids - vocab_start).unsqueeze(-1)).squeeze(-1)
     xc = _centered(x, tp_group)
     local_ids = target_ids - vocab_start
     is_local = (local_ids >= 0) & (local_ids < x.shape[-1])

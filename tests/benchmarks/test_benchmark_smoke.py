@@ -35,3 +35,18 @@ def test_packing_benchmark_smoke(tmp_path):
     result = json.loads(out.read_text())
     assert result["padding_fraction"]["packed"] < result["padding_fraction"]["padded"]
     assert result["median_seconds_per_step"]["packed"] > 0 and result["speedup_packed_over_padded"] > 0
+
+
+def test_overhead_benchmark_smoke(tmp_path):
+    out = tmp_path / "overhead.json"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                    "benchmarks/overhead.py", "--preset", "tiny", "--tokens", "128", "--seq-lens", "32", "64",
+                    "--rounds", "1", "--out", str(out)], cwd=REPO, check=True, capture_output=True, timeout=600)
+    result = json.loads(out.read_text())
+    assert set(result["by_seq_len"]) == {"32", "64"}
+    for row in result["by_seq_len"].values():
+        assert row["ratio_megarl_over_baseline"] > 0 and row["ratio_cpu_time"] > 0
+        assert len(row["seconds_megarl"]) == len(row["cpu_seconds_baseline"]) == 1
+    # The top level is the worse of the two lengths, as the interface names it.
+    assert result["ratio_megarl_over_baseline"] == max(r["ratio_megarl_over_baseline"] for r in result["by_seq_len"].values())
+    assert result["mfu_megarl"] > 0 and result["mfu_baseline"] > 0

@@ -55,6 +55,20 @@ def test_padded_gqa_matches_the_formula():
     torch.testing.assert_close(got, reference(q, k, v, 8 ** -0.5), rtol=0, atol=1e-5)
 
 
+def test_padded_gqa_gradients_match_the_formula():
+    # Grouped K/V go to SDPA unexpanded (enable_gqa): each K/V head's gradient is the sum over
+    # the query heads that share it, as with the expanded copy.
+    attention = core(heads=6, groups=2, head_dim=8)
+    q, k, v = (t.requires_grad_(True) for t in qkv(9, 2, 6, 2, 8, 8, seed=3))
+    weights = torch.randn(9, 2, 48, generator=torch.Generator().manual_seed(4))
+    (attention(q, k, v, None) * weights).sum().backward()
+    got = [t.grad for t in (q, k, v)]
+    q2, k2, v2 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    (reference(q2, k2, v2, 8 ** -0.5).double() * weights).sum().backward()
+    for g, want in zip(got, (q2.grad, k2.grad, v2.grad)):
+        torch.testing.assert_close(g, want.float(), rtol=0, atol=1e-5)
+
+
 def test_multi_latent_head_sizes():
     # MLA: query/key heads of 24 (nope 16 + rope 8), value heads of 16, its own softmax scale.
     attention = core(heads=4, groups=4, head_dim=32, k_channels=24, v_channels=16, softmax_scale=0.3)

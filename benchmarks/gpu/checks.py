@@ -1,0 +1,210 @@
+"""The GPU checks of issues 13 and 12, one process each, run by benchmarks/gpu/run_checks.sh.
+
+    python benchmarks/gpu/checks.py actor  --out benchmarks/results/gpu [--tiny]
+    python benchmarks/gpu/checks.py parity --out benchmarks/results/gpu [--tiny] [--families llama ...]
+
+actor (issue 13): megarl's actor update -- old log-probs (forward only) + one train step (forward,
+backward, clip, Adam), exactly what benchmarks/overhead.py times -- of a ~1B dense Llama (preset
+1b: 16 layers, hidden 2048, vocab 32000) in bf16, with megarl's own SDPA core attention (no
+Transformer-Engine), and its MFU: model FLOPs of the update (megarl.plan.forward_flops_per_token
+x 4: the forward-only pass + forward + backward; matmul weights with the LM head, causal attention,
+no embedding lookup) per second over --peak-tflops (989: H100/H200 bf16 dense). Writes
+actor_update_1b.json.
+
+parity (issue 12): for every family in megarl.models.families.FAMILIES, a tiny random model
+(make_tiny_model) scored by megarl in bf16 against transformers: max and mean |d logprob| of
+megarl-bf16 vs transformers-fp32, beside transformers-bf16 vs transformers-fp32 (what bf16 alone
+costs), so a reader can tell a bf16 kernel's noise from a wrong model. The MoE families run the
+MoE forward without Transformer-Engine. A family that raises is recorded with its error, and the
+others still run. Writes parity_bf16.json.
+
+--tiny runs the same code on CPU in float32 at toy sizes (the "tiny" preset, a few tokens): that
+is how the script is tested where there is no GPU (tests/benchmarks/test_gpu_checks_tiny.py).
+Exit status: 0 when every check ran and passed, 1 when one failed (the JSON says which).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(BENCHMARKS))  # _common, overhead
+
+MFU_TARGET = 0.40  # issue 13: the ~1B actor update in bf16 without TE reaches at least 40% MFU
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("check", choices=("actor", "parity"))
+    p.add_argument("--out", required=True, help="folder for the JSON results")
+    p.add_argument("--tiny", action="store_true", help="toy sizes in float32 (a CPU dry run of the same code)")
+    p.add_argument("--seq-len", type=int, default=2048, help="actor: tokens per sequence")
+    p.add_argument("--sequences", type=int, default=8, help="actor: sequences per update (one packed micro-batch)")
+    p.add_argument("--iters", type=int, default=3, help="actor: timed updates after two warm-ups")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense peak in the dtype (H100/H200 bf16: 989)")
+    p.add_argument("--families", nargs="+", help="parity: these families only (default: all of FAMILIES)")
+    args = p.parse_args(argv)
+    gpu = torch.cuda.is_available()
+    if not gpu and not args.tiny:
+        print("error: no CUDA device; run with --tiny for a CPU dry run of the same code", file=sys.stderr)
+        return 2
+    from megarl.parallel import dims_from_env
+
+    dims = dims_from_env().initialize()
+    result = (actor if args.check == "actor" else parity)(args, dims, gpu)
+    result["environment"] = environment(gpu)
+    out = Path(args.out) / ("actor_update_1b.json" if args.check == "actor" else "parity_bf16.json")
+    if args.tiny:
+        out = out.with_name(out.stem + "_tiny.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+    torch.distributed.destroy_process_group()
+    return 0 if result["ok"] else 1
+
+
+def actor(args, dims, gpu: bool) -> dict:
+    from _common import PRESETS, random_llama
+    from overhead import make_batch, megarl_update
+
+    from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
+    from megarl.plan import arch_from_config, load_config
+    from megarl.plan.arch import forward_flops_per_token
+
+    preset = "tiny" if args.tiny else "1b"
+    seq, n = (64, 4) if args.tiny else (args.seq_len, args.sequences)
+    vocab = PRESETS[preset][-1]
+    model_dir = random_llama(preset, dims, max_positions=seq, tag="gpucheck")
+    dtype = "bfloat16" if gpu else "float32"
+    engine = MegatronEngine(str(model_dir), dims, EngineConfig(dtype=dtype, optim=OptimConfig(lr=1e-6),
+                                                               max_tokens_per_microbatch=n * seq))
+    core = type(engine.module.decoder.layers[0].self_attention.core_attention)
+    batch = make_batch(n, seq, vocab)
+    for _ in range(2):  # warm-up: kernel selection, allocator
+        megarl_update(engine, batch)
+    seconds = []
+    for _ in range(args.iters):
+        if gpu:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        megarl_update(engine, batch)
+        if gpu:
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    best = min(seconds)
+    # forward_flops_per_token takes the mean attended length: seq / 2 under a causal mask.
+    flops = 4 * forward_flops_per_token(arch_from_config(load_config(model_dir)), seq / 2) * n * seq
+    tflops = flops / best / 1e12
+    mfu = tflops / args.peak_tflops if gpu else None
+    return {
+        "check": "issue 13: actor update (old log-probs + train step) of a dense Llama, no Transformer-Engine",
+        "preset": preset, "params": sum(p.numel() for p in engine.module.parameters()), "dtype": dtype,
+        "seq_len": seq, "sequences": n, "tokens_per_update": n * seq,
+        "core_attention": f"{core.__module__}.{core.__qualname__}",
+        "seconds_per_update": [round(s, 4) for s in seconds], "model_flops_per_update": flops,
+        "model_tflops": round(tflops, 3 if gpu else 6), "peak_tflops": args.peak_tflops, "mfu": None if mfu is None else round(mfu, 4),
+        "mfu_target": MFU_TARGET,
+        "max_memory_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if gpu else None,
+        # On CPU (--tiny) there is no peak to measure against: the run only shows the code works.
+        "ok": all(s > 0 for s in seconds) and (mfu is None or mfu >= MFU_TARGET),
+        "flops_note": "megarl.plan.forward_flops_per_token(seq/2) x 4 per token: matmul weights incl. the LM head "
+                      "(no embedding lookup) and causal attention; forward-only + forward + backward",
+    }
+
+
+def parity(args, dims, gpu: bool) -> dict:
+    from megarl.models.families import FAMILIES
+
+    families = args.families or list(FAMILIES)
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        raise SystemExit(f"error: unknown families {unknown}; FAMILIES has {list(FAMILIES)}")
+    gen = torch.Generator().manual_seed(0)
+    lengths = (7, 12, 3, 9, 16) if args.tiny else (7, 12, 3, 9, 16, 64, 128, 200)
+    rows, ok = {}, True
+    for family in families:
+        model_dir = Path(tempfile.mkdtemp(prefix=f"megarl_gpucheck_{family}_"))
+        try:
+            rows[family] = parity_one(family, model_dir, dims, gpu, lengths, gen)
+            ok &= rows[family]["ok"]
+        except Exception as err:  # one broken family must not hide the others' numbers
+            rows[family] = {"ok": False, "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
+            ok = False
+        finally:
+            shutil.rmtree(model_dir, ignore_errors=True)
+    return {"check": "issue 12: bf16 log-probs of megarl vs transformers, every family (MoE forward without TE)",
+            "sequence_lengths": list(lengths), "families": rows, "ok": ok,
+            "rule": "ok when megarl-bf16 vs transformers-fp32 has mean |d| <= 2 x transformers-bf16's own mean |d| + 0.01 "
+                    "and max |d| <= 2 x its max |d| + 0.05 (--tiny: float32, both within 1e-4)"}
+
+
+def parity_one(family: str, model_dir: Path, dims, gpu: bool, lengths, gen) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from megarl.models import load_model
+    from megarl.tools.logprobs import sequence_logprobs
+    from megarl.tools.make_tiny_model import make_tiny_model
+
+    # Made afresh every run (seconds): a model cached from an older make_tiny_model could hide a change.
+    make_tiny_model(family, model_dir, vocab_size=301)
+    sequences = [torch.randint(0, 301, (n,), generator=gen).tolist() for n in lengths]
+    dtype = "bfloat16" if gpu else "float32"
+    model, spec = load_model(model_dir, dims, dtype=dtype)
+    model.eval()
+    mine = sequence_logprobs(model, spec, dims, sequences, micro_batch_size=4)
+    del model
+    device = "cuda" if gpu else "cpu"
+
+    def hf(torch_dtype) -> list[list[float]]:
+        m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
+        out = []
+        with torch.no_grad():
+            for s in sequences:
+                ids = torch.tensor([s], device=device)
+                logp = torch.log_softmax(m(ids).logits[0].float(), -1)
+                out.append(logp[:-1].gather(-1, ids[0, 1:, None])[:, 0].cpu().tolist())
+        return out
+
+    ref = hf(torch.float32)
+    hf_low = hf(torch.bfloat16) if gpu else ref
+
+    def gap(a, b) -> dict:
+        d = torch.tensor([x - y for sa, sb in zip(a, b) for x, y in zip(sa, sb)]).abs()
+        return {"max_abs": float(f"{float(d.max()):.4g}"), "mean_abs": float(f"{float(d.mean()):.4g}")}
+
+    mine_gap, hf_gap = gap(mine, ref), gap(hf_low, ref)
+    if gpu:
+        ok = (mine_gap["mean_abs"] <= 2 * hf_gap["mean_abs"] + 0.01 and mine_gap["max_abs"] <= 2 * hf_gap["max_abs"] + 0.05)
+    else:
+        ok = mine_gap["max_abs"] <= 1e-4
+    return {"ok": ok, "moe": spec.is_moe, "dtype": dtype, "tokens": sum(n - 1 for n in lengths),
+            "megarl_vs_transformers_fp32": mine_gap, "transformers_bf16_vs_fp32": hf_gap if gpu else None}
+
+
+def environment(gpu: bool) -> dict:
+    import megatron.core
+
+    return {
+        "device": torch.cuda.get_device_name() if gpu else platform.machine(),
+        "torch": torch.__version__, "python": platform.python_version(),
+        "megatron_core": getattr(megatron.core, "__version__", "?"),
+        "transformer_engine_installed": importlib.util.find_spec("transformer_engine") is not None,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "cpus": os.cpu_count(),
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The GPU checks of issues 13 and 12 in one go, for one H200 (torch 2.11, Python 3.12, no
+# megatron-core and no Transformer-Engine in the image), in under 8 minutes:
+#   (a) issue 13: the actor update of a ~1B dense Llama in bf16 with megarl's SDPA attention, its MFU;
+#   (b) issue 12: bf16 log-prob parity vs transformers for every family in FAMILIES (max/mean |d logprob|),
+#       the MoE families through the MoE forward without Transformer-Engine.
+# JSON goes to benchmarks/results/gpu/ (and to $OUT when the device tool sets it, so it comes back).
+#
+#   bash benchmarks/gpu/run_checks.sh             # on the GPU machine
+#   bash benchmarks/gpu/run_checks.sh --dry-run   # here, on CPU: the same code at toy sizes, float32
+#
+# megatron-core travels as a wheel (the image has none). Once, here, in the repo root (/.whl/ is in
+# .gitignore):
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl megatron-core==0.19.2
+# (0.19.2 is the release CI's Python 3.12 tier tests; its needs, torch/numpy/packaging, are in the image.)
+# Then the device tool: run(command="bash benchmarks/gpu/run_checks.sh", carry=[".whl"], timeout_s=540).
+# MEGARL_WHEELS=DIR takes the wheels from DIR instead; MEGARL_PIP_CACHE=DIR installs from a pip
+# cache/wheelhouse directory (pip --find-links DIR). Exit status: 0 all checks passed, 1 one failed, 2 setup.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1
+PY=${PYTHON:-python3}
+RESULTS=${RESULTS:-benchmarks/results/gpu}
+WHEELS=${MEGARL_WHEELS:-.whl}
+mkdir -p "$RESULTS"
+start=$(date +%s)
+
+if ! "$PY" -c "import megatron.core" 2>/dev/null; then
+  site=/tmp/megarl_site
+  if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$WHEELS"/*.whl || exit 2
+  elif [ -n "${MEGARL_PIP_CACHE:-}" ]; then
+    "$PY" -m pip install -q --no-index --no-deps --find-links "$MEGARL_PIP_CACHE" --target "$site" megatron-core || exit 2
+  else
+    echo "error: megatron-core is not installed and $WHEELS/ holds no wheel: download it as the header of $0 says" >&2
+    exit 2
+  fi
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
+export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 PYTHONWARNINGS=ignore
+if [ "$DRY" = 1 ]; then
+  export CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+  mode=(--tiny)
+  families=(${MEGARL_GPU_CHECK_FAMILIES:-})
+else
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+  mode=()
+  families=()
+fi
+
+status=0
+run() {  # run NAME SECONDS ARGS...: one check under its own time limit, its log beside the JSON
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit}s)"
+  timeout "$limit" "$PY" benchmarks/gpu/checks.py "$@" --out "$RESULTS" ${mode[@]+"${mode[@]}"} 2>&1 | tee "$RESULTS/$name.log" | tail -40
+  local rc=${PIPESTATUS[0]}
+  echo "== $name: exit $rc"
+  [ "$rc" = 0 ] || status=1
+}
+# Budgets: 1B model creation + load ~1-2 min, updates seconds; parity: 5-7 tiny families.
+run actor 300 actor
+run parity 150 parity ${families[@]:+--families "${families[@]}"}
+
+if [ -n "${OUT:-}" ]; then cp "$RESULTS"/*.json "$RESULTS"/*.log "$OUT"/ 2>/dev/null; fi
+echo "all checks: exit $status in $(( $(date +%s) - start ))s; results in $RESULTS"
+exit $status

@@ -1,0 +1,39 @@
+"""benchmarks/gpu/run_checks.sh --dry-run: the prepared GPU script runs end to end here, on CPU at toy
+sizes in float32 (the same code as on the H200), so it does not fail on first contact with a GPU."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_run_checks_dry_run(tmp_path):
+    from megarl.models.families import FAMILIES
+
+    env = dict(os.environ, PYTHON=sys.executable, RESULTS=str(tmp_path))
+    env.pop("OUT", None)
+    done = subprocess.run(["bash", "benchmarks/gpu/run_checks.sh", "--dry-run"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    actor = json.loads((tmp_path / "actor_update_1b_tiny.json").read_text())
+    assert actor["core_attention"] == "megarl.models.attention.SDPACoreAttention"
+    # Tiny preset at 64 tokens (see test_benchmark_smoke: 92992 matmul weights per token, causal
+    # attention 16384 at mean context 32): forward 2 * 92992 + 16384 = 202368 per token; the update
+    # is forward-only + forward + backward = 4 forwards, over 4 sequences x 64 tokens.
+    assert actor["model_flops_per_update"] == 4 * 202368 * 4 * 64
+    assert actor["ok"] and len(actor["seconds_per_update"]) == 3 and actor["model_tflops"] > 0
+
+    parity = json.loads((tmp_path / "parity_bf16_tiny.json").read_text())
+    assert set(parity["families"]) == set(FAMILIES)  # every family, MoE ones through the MoE forward
+    for family, row in parity["families"].items():
+        assert row["ok"], (family, row)
+        assert row["megarl_vs_transformers_fp32"]["max_abs"] <= 1e-4
+    assert parity["families"]["qwen3_moe"]["moe"] and not parity["families"]["llama"]["moe"]
