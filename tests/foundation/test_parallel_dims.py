@@ -124,6 +124,8 @@ def test_uneven_stages_validation():
     with pytest.raises(ValueError, match=r"pipeline stage 0 has 3 layers, not divisible by vpp=2"):
         ParallelDims(world_size=16, pp=16, vpp=2, first_stage_layers=3, last_stage_layers=2).stage_layer_counts(61)
     assert ParallelDims(world_size=2, pp=2, vpp=1).vpp is None  # one virtual stage is plain 1F1B
+    with pytest.raises(ValueError, match=r"with vpp=2, pp=2 has no middle stage .* set only one of them"):
+        ParallelDims(world_size=2, pp=2, vpp=2, first_stage_layers=2, last_stage_layers=2).stage_layer_counts(4)
 
 
 @pytest.mark.parametrize("num_layers,pp,vpp,first,last", [
