@@ -72,7 +72,6 @@ def _hf_logprobs(model_dir: str, ids: list[list[int]]) -> list[list[float]]:
 
 @pytest.mark.parametrize("flags,message", [
     (["--vpp", "2"], "parallel.vpp=2 needs parallel.pp > 1"),
-    (["--first-stage-layers", "1"], "parallel.first_stage_layers=1 needs parallel.pp > 1"),
     (["--pp", "2", "--vpp", "2", "--first-stage-layers", "2", "--last-stage-layers", "2"], "set only one of them"),
 ])
 def test_logprobs_layout_flags_refuse_bad_layouts(four_layer_models, tmp_path, flags, message):
@@ -91,6 +90,6 @@ def test_logprobs_layout_flags_refuse_bad_layouts(four_layer_models, tmp_path, f
 
 
 def test_layouts_four_processes(four_layer_models, tmp_path):
+    # etp2 x ep2 needs 4 ranks per stage; tp2 x uneven pp2 comes along (the start-up is the cost)
     layouts = ["ep=2,etp=2", "tp=2,pp=2,first=1,last=3"]
-    expected = {("qwen3_moe", "ep=2,etp=2")} | {(a, layouts[1]) for a in ARCHS}
-    _check(_run(four_layer_models, tmp_path, 4, layouts), expected)
+    _check(_run(four_layer_models[1:], tmp_path, 4, layouts), {("qwen3_moe", lay) for lay in layouts})
