@@ -453,7 +453,7 @@ class Trainer:
                                       mini_batches=actor_cfg.ppo_mini_batches, shuffle_seed=self._shuffle_seed(0), want=want,
                                       temperature=self.sampling.temperature,
                                       skip_grad_norm_above=self.cfg.guards.grad_norm_threshold or None)
-        aux_loss = moe_routing.aux_loss_metric(self.actor.model, self.dims)  # None unless actor.moe_aux_loss_coeff > 0
+        aux_loss = moe_routing.aux_loss_metric(self.actor.chunks, self.dims)  # None unless actor.moe_aux_loss_coeff > 0
         self.actor.offload()
         return {**stats.metrics, "actor/grad_norm": _mean(stats.grad_norms), "actor/skipped_steps": float(stats.skipped_steps),
                 **({"actor/moe_aux_loss": aux_loss} if aux_loss is not None else {})}

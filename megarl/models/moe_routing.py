@@ -288,26 +288,28 @@ class _AuxLossMeter:
         return hook
 
 
-def aux_loss_metric(model: torch.nn.Module, dims) -> float | None:
+def aux_loss_metric(chunks: Sequence[torch.nn.Module], dims) -> float | None:
     """The auxiliary load-balancing loss (without its coefficient) averaged over MoE layers, training
-    forwards and data-parallel ranks since the last call; None when the loss is off. Collective over
-    the pipeline and data-parallel groups. Reads and clears Megatron's aux-loss tracker."""
+    forwards and data-parallel ranks since the last call; None when the loss is off. `chunks`: this
+    rank's model chunks (one per virtual pipeline stage). Collective over the pipeline and
+    data-parallel groups. Reads and clears Megatron's aux-loss tracker."""
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
     from megarl.parallel import all_reduce_host
 
-    meter = _find(model, _METER)
-    if meter is None:
+    meters = [m for m in (_find(c, _METER) for c in chunks) if m is not None]
+    if not meters:
         return None
-    num_layers = unwrap_config(model).num_layers
+    num_layers = unwrap_config(chunks[0]).num_layers
     sums = torch.zeros(num_layers, dtype=torch.float64)
     counts = torch.zeros(num_layers, dtype=torch.float64)
     for name, entry in get_moe_layer_wise_logging_tracker().items():
         if name.endswith("load_balancing_loss"):
             sums += entry["values"].detach().double().cpu()[:num_layers]
-    for layer, n in meter.counts.items():
-        counts[layer] = n
-    meter.counts.clear()
+    for meter in meters:  # each chunk counts the forwards of its own layers
+        for layer, n in meter.counts.items():
+            counts[layer] += n
+        meter.counts.clear()
     clear_aux_losses_tracker()
     both = torch.stack([sums, counts])
     if dims.pp > 1:
