@@ -35,6 +35,7 @@ def main() -> None:
     args = p.parse_args()
 
     from megarl.models import load_model
+    from megarl.models.convert import mtp_tensor_names
     from megarl.models.families import load_spec
     from megarl.models.weights import SafetensorsDir, export_hf
     from megarl.parallel import dims_from_env
@@ -61,14 +62,20 @@ def main() -> None:
             diffs = [(torch.tensor(lp) - reference[i]).abs().max().item() for i, lp in zip(mine, lps)]
             max_diff = torch.tensor(max(diffs) if diffs else 0.0, dtype=torch.float64)
             dist.all_reduce(max_diff, op=dist.ReduceOp.MAX)
-            exported, mismatched = 0, []
+            exported, mismatched, names = 0, [], set()
             for name, tensor in export_hf(model, spec, dims):
                 exported += 1
-                if not torch.equal(tensor, source.full(name)):
+                names.add(name)
+                # torch.equal also compares dtypes: the float32 correction bias must stay float32
+                if tensor.dtype != source.full(name).dtype or not torch.equal(tensor, source.full(name)):
                     mismatched.append(name)
-            missing = sorted(set(source.weight_map) - {n for n, _ in export_hf(model, spec, dims)})
+            # multi-token-prediction layers are skipped on load and must not come back on export
+            mtp = set(mtp_tensor_names(spec, source.weight_map))
+            missing = sorted(set(source.weight_map) - names - mtp)
             results.append(dict(model=spec.family, tp=tp, pp=pp, ep=ep, max_abs_diff=max_diff.item(),
-                                 exported=exported, mismatched=mismatched, missing=missing))
+                                 exported=exported, mismatched=mismatched, missing=missing,
+                                 mtp_skipped=len(mtp), mtp_exported=sorted(mtp & names),
+                                 model_dir=model_dir))
             dims.destroy()
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
