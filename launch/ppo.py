@@ -82,7 +82,8 @@ def main(argv=None) -> int:
 
     layout = cfg.parallel
     dims = ParallelDims(world_size=world_size, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, etp=layout.etp,
-                        vpp=layout.vpp)
+                        vpp=layout.vpp, first_stage_layers=layout.first_stage_layers,
+                        last_stage_layers=layout.last_stage_layers)
     dims.initialize(seed=cfg.trainer.seed)
     rank = dims.rank
     run_dir = Path(cfg.trainer.run_dir)

@@ -104,7 +104,7 @@ def export_hf_main(argv=None) -> int:
     critic = args.role == "critic"
     engine = MegatronEngine(model_dir, dims, EngineConfig(), value_head=critic, trainable=False)
     engine.load(str(ckpt / args.role))
-    save_hf_checkpoint(engine.module, engine.spec, dims, args.out, model_dir, critic=critic)
+    save_hf_checkpoint(engine.chunks, engine.spec, dims, args.out, model_dir, critic=critic)
     if dims.rank == 0:
         print(f"wrote {args.out}")
     dist.barrier()

@@ -20,7 +20,9 @@ class ParallelDims:
 
     tp: tensor parallel; pp: pipeline parallel; cp: context parallel; ep: expert parallel (MoE);
     etp: expert tensor parallel (None = same as tp, Megatron's default); vpp: virtual pipeline
-    stages per rank (None = no interleaving).
+    stages per rank (None or 1 = no interleaving); first_stage_layers / last_stage_layers: layers
+    of the first / last pipeline stage when they differ from the others (Megatron's
+    num_layers_in_first/last_pipeline_stage; None = an even share).
     """
 
     world_size: int
@@ -30,9 +32,13 @@ class ParallelDims:
     ep: int = 1
     etp: int | None = None
     vpp: int | None = None
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
     _initialized: bool = field(default=False, repr=False)
 
     def __post_init__(self):
+        if self.vpp == 1:  # one virtual stage per rank is the plain 1F1B schedule
+            self.vpp = None
         self.validate()
 
     # --- arithmetic ------------------------------------------------------------------------------
@@ -72,10 +78,55 @@ class ParallelDims:
             )
         if self.vpp is not None and (self.vpp < 1 or self.pp == 1):
             raise ValueError(f"parallel.vpp={self.vpp} needs parallel.pp > 1 and vpp >= 1")
+        for name in ("first_stage_layers", "last_stage_layers"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"parallel.{name} must be a positive integer or unset, got {value!r}")
+            if value is not None and self.pp == 1:
+                raise ValueError(f"parallel.{name}={value} needs parallel.pp > 1 (one stage holds every layer)")
+
+    @property
+    def chunks_per_stage(self) -> int:
+        """Model chunks each pipeline rank holds: vpp with interleaving, else 1."""
+        return self.vpp or 1
+
+    def stage_layer_counts(self, num_layers: int) -> list[int]:
+        """Layers of each pipeline stage for a model of `num_layers`; ValueError shows the arithmetic
+        when they do not split (Megatron-Core's rules, said up front: megarl.plan.arch.stage_layers)."""
+        from megarl.plan.arch import stage_layers
+
+        try:
+            stages = stage_layers(num_layers, self.pp, self.first_stage_layers, self.last_stage_layers, self.vpp)
+        except ValueError as err:
+            raise ValueError(f"parallel layout {self.describe()}: {err}") from None
+        return [len(r) for r in stages]
+
+    def chunk_layers(self, num_layers: int) -> dict[tuple[int, int], range]:
+        """Global layers of every model chunk, keyed (pp_rank, vp_stage). Megatron's order: chunk v
+        of every stage before chunk v + 1, so with pp2 x vpp2 over 8 layers stage 0 holds 0-1 and
+        4-5 (get_transformer_layer_offset)."""
+        counts = self.stage_layer_counts(num_layers)
+        v = self.chunks_per_stage
+        out, start = {}, 0
+        for vp in range(v):
+            for pp_rank, n in enumerate(counts):
+                out[(pp_rank, vp)] = range(start, start + n // v)
+                start += n // v
+        return out
+
+    def layer_owner(self, layer: int, num_layers: int) -> tuple[int, int]:
+        """(pp_rank, vp_stage) of the chunk that holds global layer `layer`."""
+        for key, layers in self.chunk_layers(num_layers).items():
+            if layer in layers:
+                return key
+        raise ValueError(f"layer {layer} is outside a model of {num_layers} layers")
 
     def describe(self) -> str:
         ep = f" ep={self.ep} etp={self.expert_tp}" if self.ep > 1 or self.etp else ""
-        return f"world={self.world_size} tp={self.tp} pp={self.pp} cp={self.cp} dp={self.dp}{ep}"
+        vpp = f" vpp={self.vpp}" if self.vpp else ""
+        uneven = "".join(f" {name}={getattr(self, name)}" for name in ("first_stage_layers", "last_stage_layers")
+                         if getattr(self, name) is not None)
+        return f"world={self.world_size} tp={self.tp} pp={self.pp}{vpp}{uneven} cp={self.cp} dp={self.dp}{ep}"
 
     # --- process groups --------------------------------------------------------------------------
     def initialize(self, backend: str | None = None, timeout_minutes: int = 30, seed: int = 1234) -> "ParallelDims":
@@ -248,10 +299,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def dims_from_env(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int | None = None, vpp: int | None = None) -> ParallelDims:
+def dims_from_env(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int | None = None, vpp: int | None = None,
+                  first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> ParallelDims:
     """ParallelDims for the world torchrun started (WORLD_SIZE), or a world of one."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    return ParallelDims(world_size=world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vpp=vpp)
+    return ParallelDims(world_size=world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vpp=vpp,
+                        first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
 
 
 # --- collectives on small host tensors ----------------------------------------------------------

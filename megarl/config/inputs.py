@@ -17,6 +17,7 @@ def check_inputs(cfg: Config, overrides=()) -> None:
     key=value pairs (data files typed there are never auto-prepared)."""
     check_resume_path(cfg.trainer.resume)
     check_model_path(cfg)
+    check_model_layout(cfg)
     check_data_files(cfg, overrides)
     check_rollout_engine(cfg)
 
@@ -35,6 +36,35 @@ def check_model_path(cfg: Config) -> None:
     if not os.path.isdir(cfg.model.path) and not cfg.model.make_tiny.enable:
         raise ConfigError(f"model.path: {cfg.model.path} does not exist (give a Hugging Face model directory, "
                           f"or set model.make_tiny.enable=true for a tiny random model)")
+
+
+def check_model_layout(cfg: Config) -> None:
+    """The parallel layout against the model's config.json (read by the planner's torch-free
+    `megarl.plan.arch`): heads over tp, layers over the pipeline stages (uneven end stages, vpp
+    chunks), experts over ep, expert widths over etp. Skipped while the model is still to be made."""
+    from megarl.plan.arch import arch_from_config, load_config, stage_layers
+
+    path = os.path.join(cfg.model.path, "config.json")
+    if not os.path.isfile(path):
+        return
+    p = cfg.parallel
+    try:
+        arch = arch_from_config(load_config(path))
+    except ValueError:
+        return  # not a family the planner knows: the model loader reports it with its own message
+    etp = p.etp or p.tp
+    checks = [(arch.heads, p.tp, "attention heads", "parallel.tp"), (arch.kv_heads, p.tp, "key/value heads", "parallel.tp")]
+    if arch.experts:
+        checks += [(arch.experts, p.ep, "routed experts", "parallel.ep"), (arch.moe_ffn, etp, "expert ffn width", "parallel.etp")]
+    elif p.ep > 1:
+        raise ConfigError(f"parallel.ep = {p.ep} needs a mixture-of-experts model; {cfg.model.path} is a dense {arch.model_type}")
+    for count, size, what, key in checks:
+        if count % size:
+            raise ConfigError(f"{key} = {size} does not divide the model's {count} {what} ({cfg.model.path})")
+    try:
+        stage_layers(arch.num_layers, p.pp, p.first_stage_layers, p.last_stage_layers, p.vpp)
+    except ValueError as err:
+        raise ConfigError(f"parallel.pp / first_stage_layers / last_stage_layers / vpp: {err} ({cfg.model.path})") from None
 
 
 def check_data_files(cfg: Config, overrides=()) -> None:

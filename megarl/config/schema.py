@@ -90,7 +90,12 @@ class ParallelConfig:
     pp: int = knob(1, "pipeline-parallel size", ge=1)
     ep: int = knob(1, "expert-parallel size (MoE models)", ge=1)
     etp: Optional[int] = knob(None, "expert tensor-parallel size; null = parallel.tp", ge=1)
-    vpp: Optional[int] = knob(None, "virtual pipeline stages per pipeline rank (interleaved schedule); null = off", ge=1)
+    vpp: Optional[int] = knob(None, "virtual pipeline stages per pipeline rank (interleaved 1F1B schedule; each stage's "
+                                    "layers are cut into vpp equal model chunks); null = off", ge=1)
+    first_stage_layers: Optional[int] = knob(None, "layers of the first pipeline stage when it is to hold fewer (it also "
+                                                    "holds the embedding); null = an even share", ge=1)
+    last_stage_layers: Optional[int] = knob(None, "layers of the last pipeline stage when it is to hold fewer (it also "
+                                                   "holds the output layer and the loss); null = an even share", ge=1)
     cp: int = knob(1, "context-parallel size (long sequences)", ge=1)
 
 

@@ -57,9 +57,11 @@ def validate(cfg: Config, world_size: int | None = None) -> BatchSizes | None:
     # Accepted by ParallelDims, not yet by the engine's forward paths: refuse rather than run wrong.
     if p.cp != 1:
         raise ConfigError(f"parallel.cp = {p.cp}: context parallelism is not supported by the trainer yet; use parallel.cp=1")
-    if p.vpp is not None and p.vpp > 1:
-        raise ConfigError(f"parallel.vpp = {p.vpp}: interleaved pipeline schedules are not supported by the trainer yet; "
-                          f"use parallel.vpp=null")
+    if p.vpp is not None and p.vpp > 1 and p.pp == 1:
+        raise ConfigError(f"parallel.vpp = {p.vpp} needs parallel.pp > 1 (virtual stages interleave pipeline stages)")
+    for key in ("first_stage_layers", "last_stage_layers"):
+        if getattr(p, key) is not None and p.pp == 1:
+            raise ConfigError(f"parallel.{key} = {getattr(p, key)} needs parallel.pp > 1 (one stage holds every layer)")
     if world_size is None:
         return None
     return _check_layout(cfg, world_size)

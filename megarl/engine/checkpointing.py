@@ -43,12 +43,20 @@ def ensure_optimizer_state(engine) -> None:
                     inner.state[p]["step"] = torch.tensor(0.0)
 
 
+def _model_keys(engine) -> list[str]:
+    # "model" for the first chunk (a checkpoint of one chunk per rank keeps its old layout), "model1",
+    # ... for the virtual pipeline stages after it (Megatron-LM's naming). Only the dict keys differ:
+    # every chunk's tensors carry global layer numbers under the prefix "model.", which is what a
+    # load under another layout (vpp or not) matches on.
+    return ["model"] + [f"model{i}" for i in range(1, len(engine.modules))]
+
+
 def _sharded_state_dict(engine, is_loading: bool) -> dict:
     engine.onload()
-    model_sd = engine.module.sharded_state_dict(prefix="model.")
-    state = {"model": model_sd}
+    state = {key: m.sharded_state_dict(prefix="model.") for key, m in zip(_model_keys(engine), engine.modules)}
     if engine.trainable:
         ensure_optimizer_state(engine)
+        model_sd = dict(state)  # the optimizer finds each parameter's sharded tensor in any chunk
         state["optimizer"] = engine.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=OPTIM_CKPT_FORMAT)
     return state
 
@@ -123,7 +131,8 @@ def load_engine(engine, path: str) -> None:
     rng_file = _rng_file(path, engine.dims.rank)
     if os.path.exists(rng_file):
         restore_rng_state(load_plain(rng_file), engine.dims)
-    engine.module.load_state_dict({k[len("model."):]: v for k, v in loaded["model"].items()}, strict=False)
+    for key, module in zip(_model_keys(engine), engine.modules):
+        module.load_state_dict({k[len("model."):]: v for k, v in loaded[key].items()}, strict=False)
     if not engine.trainable:
         return
     optimizers = _optimizers(engine)

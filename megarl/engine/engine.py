@@ -19,8 +19,8 @@ import torch.distributed as dist
 from megarl.engine import micro_batches, offload
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.checkpointing import load_engine, save_engine
-from megarl.engine.forward import model_forward, pipeline_forward
-from megarl.models import load_model
+from megarl.engine.forward import interleaved_count, model_forward, pipeline_forward, schedule_inputs
+from megarl.models import load_model_chunks
 from megarl.models.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 from megarl.models.weights import export_hf, local_weight_shards, unwrap
 from megarl.parallel import ParallelDims, all_reduce_host, broadcast_host
@@ -71,16 +71,19 @@ class MegatronEngine:
     def __init__(self, model_dir: str, dims: ParallelDims, cfg: EngineConfig, *, value_head: bool = False, trainable: bool = True,
                  seed: int = 0):
         self.dims, self.cfg, self.value_head, self.trainable, self.seed = dims, cfg, value_head, trainable, seed
-        self.model, self.spec = load_model(model_dir, dims, dtype=cfg.dtype, critic=value_head, recompute=cfg.recompute)
+        # One model chunk per virtual pipeline stage (dims.vpp), else one: Megatron's schedules, DDP
+        # and optimizer take the list; `self.chunks` holds them (DDP-wrapped when trainable).
+        self.chunks, self.spec = load_model_chunks(model_dir, dims, dtype=cfg.dtype, critic=value_head, recompute=cfg.recompute)
         self.model_dir = model_dir
         self.optimizer = self.scheduler = None
         self.optimizer_steps = 0
         if trainable:
             self._wrap_for_training()
         else:
-            for p in self.model.parameters():
-                p.requires_grad_(False)
-        self.module.eval()
+            for m in self.modules:
+                for p in m.parameters():
+                    p.requires_grad_(False)
+        self._set_mode(train=False)
         self._offloaded: dict[str, bool] = {}
         self.bytes_moved = {"offload": 0, "onload": 0}  # cumulative, for per-step reporting
 
@@ -95,7 +98,10 @@ class MegatronEngine:
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True, bucket_size=None
         )
-        self.model = DistributedDataParallel(config=self.module.config, ddp_config=ddp_config, module=self.model)
+        # Megatron-LM's rule: only the first chunk's DDP buckets gradients (bucketing the others would
+        # start their reductions out of order under interleaving).
+        self.chunks = [DistributedDataParallel(config=m.config, ddp_config=ddp_config, module=m, disable_bucketing=i > 0)
+                       for i, m in enumerate(self.chunks)]
         opt_config = OptimizerConfig(
             optimizer="adam",
             lr=o.lr,
@@ -109,7 +115,7 @@ class MegatronEngine:
             params_dtype=torch.bfloat16 if bf16 else torch.float32,
             use_distributed_optimizer=True,  # ZeRO-1: optimizer state sharded over DP
         )
-        self.optimizer = get_megatron_optimizer(opt_config, [self.model])
+        self.optimizer = get_megatron_optimizer(opt_config, self.chunks)
         decay_steps = max(o.total_steps, o.warmup_steps + 1)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
@@ -126,8 +132,25 @@ class MegatronEngine:
         )
 
     @property
+    def model(self) -> torch.nn.Module:
+        """The (DDP-wrapped) model of a rank that holds one chunk; with virtual pipeline stages, `chunks`."""
+        if len(self.chunks) != 1:
+            raise RuntimeError(f"this rank holds {len(self.chunks)} model chunks (parallel.vpp): use engine.chunks")
+        return self.chunks[0]
+
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        """This rank's model chunks, unwrapped (one per virtual pipeline stage)."""
+        return [unwrap(m) for m in self.chunks]
+
+    @property
     def module(self) -> torch.nn.Module:
-        return unwrap(self.model)
+        """The first (often only) chunk: its config is every chunk's."""
+        return unwrap(self.chunks[0])
+
+    def _set_mode(self, train: bool) -> None:
+        for m in self.modules:
+            m.train(train)
 
     @property
     def device(self) -> torch.device:
@@ -154,6 +177,9 @@ class MegatronEngine:
             plan = micro_batches.plan_packed(lengths, budget, self._agree_max, multiple=8 * self.dims.tp)
         else:
             plan = micro_batches.plan_padded(lengths, budget, self._agree_max)
+        # Interleaved schedules need a multiple of pp micro-batches: filler ones carry no rows.
+        filler = [None] * (1 if plan.packed else len(plan.bins[0]))
+        plan.bins += [list(filler) for _ in range(interleaved_count(len(plan.bins), self.dims) - len(plan.bins))]
         return micro_batches.build(plan, batch, rows, fields, self.device)
 
     def _agree_max(self, values: list[int]) -> list[int]:
@@ -185,14 +211,14 @@ class MegatronEngine:
     def forward_only(self, batch: SequenceBatch, want: tuple[str, ...] = ("logprobs",), temperature: float = 1.0) -> dict[str, torch.Tensor]:
         """Per-response-token log-probs (and entropy) or values, [n, response_len], on every rank."""
         self.onload()
-        self.module.eval()
+        self._set_mode(train=False)
         rows = list(range(len(batch)))
         micro_batches = self._micro_batches(batch, rows)
 
         def compute(output, mb):
             return {k: v.detach().float().cpu() for k, v in self._outputs(output, mb, want, temperature).items()}
 
-        results = pipeline_forward(self.model, self.dims, micro_batches, compute)
+        results = pipeline_forward(self.chunks, self.dims, micro_batches, compute)
         merged = {k: torch.zeros(len(batch), batch.response_len) for k in results[0]}
         for mb, result in zip(micro_batches, results):
             slots = [i for i, r in enumerate(mb["rows"]) if r is not None]  # filler rows carry nothing
@@ -227,7 +253,7 @@ class MegatronEngine:
         if not self.trainable:
             raise RuntimeError("train_step on a frozen (reference) engine")
         self.onload()
-        self.module.train()
+        self._set_mode(train=True)
         num_global = num_global or self._global_count(len(batch))
         if num_global % mini_batches:
             raise ValueError(f"{num_global} sequences per step are not divisible into {mini_batches} mini-batches")
@@ -260,13 +286,15 @@ class MegatronEngine:
                     mb = next(data_iterator)
                     return model_forward(model, mb), partial(loss_func, mb)
 
-                self.model.zero_grad_buffer()
+                for chunk in self.chunks:
+                    chunk.zero_grad_buffer()
                 self.optimizer.zero_grad()
                 seq_len = micro_batches[0]["input_ids"].shape[1]
+                chunks, data_iterator = schedule_inputs(self.chunks, micro_batches, self.dims)
                 get_forward_backward_func()(
                     forward_step_func=forward_step,
-                    data_iterator=iter(micro_batches),
-                    model=[self.model],
+                    data_iterator=data_iterator,
+                    model=chunks,
                     num_microbatches=num_mb,
                     seq_length=seq_len,
                     micro_batch_size=micro_batches[0]["input_ids"].shape[0],
@@ -338,11 +366,11 @@ class MegatronEngine:
     # --- weights out --------------------------------------------------------------------------------------
     def export_hf(self):
         self.onload()
-        return export_hf(self.module, self.spec, self.dims, critic=self.value_head)
+        return export_hf(self.chunks, self.spec, self.dims, critic=self.value_head)
 
     def local_weight_shards(self):
         self.onload()
-        return local_weight_shards(self.module, self.spec, self.dims)
+        return local_weight_shards(self.chunks, self.spec, self.dims)
 
     # --- offload ----------------------------------------------------------------------------------------------
     def offload(self) -> dict[str, int]:

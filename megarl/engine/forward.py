@@ -3,6 +3,11 @@
 Micro-batches are dicts of `[micro_batch, seq]` tensors (`megarl.engine.micro_batches`: padded rows,
 or one packed row with `packed_seq_params`); every micro-batch of one call has the same shape,
 because pipeline stages exchange fixed-shape activations.
+
+With virtual pipeline stages (`dims.vpp`) a rank holds one model chunk per virtual stage and
+Megatron's interleaved 1F1B schedule runs them; it takes one data iterator per chunk (each chunk's
+forward step draws the micro-batch it works on) and needs a micro-batch count that is a multiple
+of pp (`interleaved_count`).
 """
 from __future__ import annotations
 
@@ -29,13 +34,35 @@ def model_forward(model: torch.nn.Module, micro_batch: dict) -> torch.Tensor:
                  packed_seq_params=micro_batch.get("packed_seq_params"))
 
 
+def interleaved_count(count: int, dims: ParallelDims) -> int:
+    """Micro-batches to run for `count` real ones: Megatron's interleaved schedule runs micro-batches
+    in groups of pp per virtual stage and refuses a count that is not a multiple of pp (it would
+    stall the pipeline), so the rest is made up with filler micro-batches that carry no rows."""
+    if not dims.vpp:
+        return count
+    return -(-count // dims.pp) * dims.pp
+
+
+def schedule_inputs(model, micro_batches: list[dict], dims: ParallelDims) -> tuple[list, object]:
+    """(model chunks, data iterator(s)) as Megatron's schedules take them: with virtual stages one
+    iterator per chunk, each yielding every micro-batch in order."""
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if dims.vpp:
+        return chunks, [iter(micro_batches) for _ in chunks]
+    return chunks, iter(micro_batches)
+
+
 @torch.no_grad()
-def pipeline_forward(model: torch.nn.Module, dims: ParallelDims, micro_batches: list[dict], compute: ComputeFn) -> list[dict[str, torch.Tensor]]:
-    """Forward-only over all micro-batches; returns compute()'s outputs on *every* pipeline stage."""
+def pipeline_forward(model, dims: ParallelDims, micro_batches: list[dict], compute: ComputeFn) -> list[dict[str, torch.Tensor]]:
+    """Forward-only over all micro-batches; returns compute()'s outputs on *every* pipeline stage.
+    `model` is this rank's model or its list of chunks (virtual pipeline stages)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not micro_batches:
         return []
+    count = len(micro_batches)
+    # Forward only: a filler is a repeat of the last micro-batch, whose results are dropped.
+    micro_batches = micro_batches + [micro_batches[-1]] * (interleaved_count(count, dims) - count)
     batch, seq = micro_batches[0]["input_ids"].shape
     for mb in micro_batches:
         if mb["input_ids"].shape != (batch, seq):
@@ -48,17 +75,18 @@ def pipeline_forward(model: torch.nn.Module, dims: ParallelDims, micro_batches: 
         mb = next(data_iterator)
         return model_forward(model, mb), partial(loss_func, mb)
 
+    chunks, data_iterator = schedule_inputs(model, micro_batches, dims)
     store = get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(micro_batches),
-        model=[model],
+        data_iterator=data_iterator,
+        model=chunks,
         num_microbatches=len(micro_batches),
         seq_length=seq,
         micro_batch_size=batch,
         forward_only=True,
         collect_non_loss_data=True,
     )
-    return broadcast_from_last_stage(store, dims, len(micro_batches))
+    return broadcast_from_last_stage(store[:count], dims, count)
 
 
 def broadcast_from_last_stage(store: list[dict], dims: ParallelDims, count: int) -> list[dict[str, torch.Tensor]]:

@@ -36,10 +36,11 @@ def _ddp_buffers(engine) -> list:
     # Megatron's DDP keeps its buffers in lists named `buffers` (shadowing nn.Module.buffers); a
     # frozen engine (the reference) has no DDP wrapper, and its `buffers` is the Module method.
     found = []
-    for name in ("buffers", "expert_parallel_buffers"):
-        value = getattr(engine.model, name, None)
-        if isinstance(value, list):
-            found += value
+    for chunk in engine.chunks:  # one DDP per virtual pipeline stage
+        for name in ("buffers", "expert_parallel_buffers"):
+            value = getattr(chunk, name, None)
+            if isinstance(value, list):
+                found += value
     return found
 
 
@@ -47,7 +48,7 @@ def _param_tensors(engine) -> list[torch.Tensor]:
     buffers = _ddp_buffers(engine)
     if buffers:
         return [b.param_data for b in buffers if b.param_data is not None]
-    return list(engine.module.parameters())  # the Parameters themselves: they keep the host copy
+    return [p for m in engine.modules for p in m.parameters()]  # the Parameters themselves: they keep the host copy
 
 
 def offload_params(engine) -> int:

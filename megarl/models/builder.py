@@ -38,7 +38,9 @@ def build_transformer_config(spec: ModelSpec, dims: ParallelDims, dtype: torch.d
 
     from megarl.platform import cpu_compat
 
-    check_layout(spec, dims.tp, dims.pp, dims.ep, dims.etp)
+    uneven = dims.first_stage_layers is not None or dims.last_stage_layers is not None
+    check_layout(spec, dims.tp, dims.pp, dims.ep, dims.etp, uneven_stages=uneven)
+    dims.stage_layer_counts(spec.num_layers)  # uneven end stages and vpp chunks must split the layers
     platform = current_platform()
     moe = {}
     if spec.is_moe:
@@ -85,6 +87,13 @@ def build_transformer_config(spec: ModelSpec, dims: ParallelDims, dtype: torch.d
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp,
+        num_layers_in_first_pipeline_stage=dims.first_stage_layers,
+        num_layers_in_last_pipeline_stage=dims.last_stage_layers,
+        # Interleaved with pp=2, a stage's previous and next stage are the same rank: batched p2p
+        # then pairs its send of gradients with the peer's receive of activations (same shapes,
+        # silently swapped: wrong gradients, found by tests/layouts). The unbatched path orders
+        # the sends and receives by even / odd rank.
+        batch_p2p_comm=not (dims.vpp and dims.pp == 2),
         context_parallel_size=dims.cp,
         expert_model_parallel_size=dims.ep,
         expert_tensor_parallel_size=dims.expert_tp,
@@ -245,13 +254,17 @@ def build_gpt_model(spec: ModelSpec, dims: ParallelDims, config=None, dtype: tor
 
     config = config or build_transformer_config(spec, dims, dtype, recompute)
     pp_group = dims.pp_group
+    # With virtual stages the embedding lives in the first chunk of the first stage, the head in
+    # the last chunk of the last stage.
+    first_chunk = vp_stage is None or vp_stage == 0
+    last_chunk = vp_stage is None or vp_stage == dims.chunks_per_stage - 1
     model = GPTModel(
         config=config,
         transformer_layer_spec=decoder_spec(spec, config, vp_stage),
         vocab_size=spec.padded_vocab_size(dims.tp),
         max_sequence_length=spec.max_position_embeddings,
-        pre_process=is_pp_first_stage(pp_group),
-        post_process=is_pp_last_stage(pp_group),
+        pre_process=is_pp_first_stage(pp_group) and first_chunk,
+        post_process=is_pp_last_stage(pp_group) and last_chunk,
         parallel_output=True,
         share_embeddings_and_output_weights=spec.tie_embeddings and not value_head,
         position_embedding_type="rope",  # MLA layers apply their own (and GPTModel then builds none)

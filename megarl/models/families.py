@@ -369,8 +369,9 @@ def load_spec(model_dir: str | Path) -> ModelSpec:
     return spec_from_hf_config(cfg)
 
 
-def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
-    """Refuse a parallel layout the model cannot be split into, showing the arithmetic."""
+def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1, etp: int | None = None, uneven_stages: bool = False) -> None:
+    """Refuse a parallel layout the model cannot be split into, showing the arithmetic. With
+    `uneven_stages` the stage split is ParallelDims.stage_layer_counts' to check."""
     if spec.num_heads % tp:
         raise ValueError(f"{spec.num_heads} attention heads are not divisible by tp={tp}")
     if spec.num_kv_heads % tp:
@@ -387,7 +388,7 @@ def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1, etp: int | None
             raise ValueError(f"q_lora_rank {spec.mla.q_lora_rank} is not divisible by tp={tp}")
     if spec.ffn_hidden_size % tp:
         raise ValueError(f"ffn hidden size {spec.ffn_hidden_size} is not divisible by tp={tp}")
-    if spec.num_layers % pp:
+    if not uneven_stages and spec.num_layers % pp:
         raise ValueError(f"{spec.num_layers} layers are not divisible by pp={pp}")
     if spec.is_moe:
         if spec.num_experts % ep:

@@ -39,6 +39,8 @@ _TE_TO_LOCAL = (
 # Checkpoint tensors that are module buffers, not parameters: the sigmoid router's score-correction
 # bias (DeepSeek-V3, GLM-4.5), frozen, but loaded, synced to the rollout engine and exported.
 _WEIGHT_BUFFER = re.compile(r"\.mlp\.router\.expert_bias$")
+# A rank's model: one module, or its chunks (one per virtual pipeline stage), wrapped or not.
+Chunks = torch.nn.Module | list[torch.nn.Module]
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
@@ -48,6 +50,11 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     while hasattr(model, "module"):
         model = model.module
     return model
+
+
+def model_chunks(model) -> list[torch.nn.Module]:
+    """The unwrapped model chunks of this rank: a list (one per virtual pipeline stage) or one model."""
+    return [unwrap(m) for m in (model if isinstance(model, (list, tuple)) else [model])]
 
 
 def _layer_offset(model) -> int:
@@ -77,19 +84,20 @@ def _is_value_head(model: torch.nn.Module, local: str) -> bool:
     return local.startswith("output_layer.") and getattr(getattr(model, "output_layer", None), "is_value_head", False)
 
 
-def named_global_parameters(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDims) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
+def named_global_parameters(model, spec: ModelSpec, dims: ParallelDims) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
     """(global name, local name, parameter) for every HF-mapped parameter of this rank's model
-    chunk (a critic's value head is not an HF weight and is left out), then the HF-mapped buffers
-    (the router's expert bias)."""
-    model = unwrap(model)
-    offset = _layer_offset(model)
+    chunk(s) (a critic's value head is not an HF weight and is left out), then the HF-mapped
+    buffers (the router's expert bias). Each chunk numbers its layers from 0; Megatron's offset of
+    the chunk (uneven stages, virtual stages) makes them global."""
     experts_per_rank = (spec.num_experts // dims.ep) if spec.is_moe else 0
-    for local, param in model.named_parameters():
-        if not _is_value_head(model, local):
-            yield global_name(local, offset, dims.ep_rank * experts_per_rank), local, param
-    for local, buffer in model.named_buffers():
-        if _WEIGHT_BUFFER.search(local):
-            yield global_name(local, offset, dims.ep_rank * experts_per_rank), local, buffer
+    for chunk in model_chunks(model):
+        offset = _layer_offset(chunk)
+        for local, param in chunk.named_parameters():
+            if not _is_value_head(chunk, local):
+                yield global_name(local, offset, dims.ep_rank * experts_per_rank), local, param
+        for local, buffer in chunk.named_buffers():
+            if _WEIGHT_BUFFER.search(local):
+                yield global_name(local, offset, dims.ep_rank * experts_per_rank), local, buffer
 
 
 def _tp_coords(mapping: WeightMapping, dims: ParallelDims) -> tuple[int, int]:
@@ -98,7 +106,7 @@ def _tp_coords(mapping: WeightMapping, dims: ParallelDims) -> tuple[int, int]:
     return dims.tp_rank, dims.tp
 
 
-def local_weight_shards(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDims) -> dict[str, tuple[torch.Tensor, ShardMeta]]:
+def local_weight_shards(model: Chunks, spec: ModelSpec, dims: ParallelDims) -> dict[str, tuple[torch.Tensor, ShardMeta]]:
     """This rank's weights under global names, each with how it relates to the full tensor."""
     mappings = {m.name: m for m in weight_mappings(spec, dims.tp)}
     out = {}
@@ -161,7 +169,7 @@ class SafetensorsDir:
 
 
 @torch.no_grad()
-def load_hf_weights(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDims, model_dir: str | Path) -> int:
+def load_hf_weights(model: Chunks, spec: ModelSpec, dims: ParallelDims, model_dir: str | Path) -> int:
     """Fill this rank's parameters from an HF checkpoint; returns the bytes this rank read."""
     source = SafetensorsDir(model_dir)
     mappings = {m.name: m for m in weight_mappings(spec, dims.tp)}
@@ -195,7 +203,7 @@ def load_hf_weights(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDims,
 
 def _owner_stage(mapping: WeightMapping, spec: ModelSpec, dims: ParallelDims) -> int:
     if mapping.layer is not None:
-        return mapping.layer // (spec.num_layers // dims.pp)
+        return dims.layer_owner(mapping.layer, spec.num_layers)[0]  # uneven and virtual stages included
     return 0 if mapping.name.startswith("embedding.") else dims.pp - 1
 
 
@@ -204,15 +212,13 @@ def _owner_ep(mapping: WeightMapping, spec: ModelSpec, dims: ParallelDims) -> in
 
 
 @torch.no_grad()
-def export_canonical(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDims, mappings: list[WeightMapping] | None = None) -> Iterator[tuple[WeightMapping, torch.Tensor]]:
+def export_canonical(model: Chunks, spec: ModelSpec, dims: ParallelDims, mappings: list[WeightMapping] | None = None) -> Iterator[tuple[WeightMapping, torch.Tensor]]:
     """Full canonical tensors, one at a time, identical on every rank (collective: all ranks iterate)."""
-    if dims.vpp is not None:
-        raise NotImplementedError("export with virtual pipeline stages is not supported yet")
     mappings = mappings if mappings is not None else exported_mappings(spec, dims.tp)
     local = {name: param for name, _, param in named_global_parameters(model, spec, dims)}
     coords = dims.all_coordinates()
-    dtype = next(unwrap(model).parameters()).dtype
-    device = next(unwrap(model).parameters()).device
+    dtype = next(model_chunks(model)[0].parameters()).dtype
+    device = next(model_chunks(model)[0].parameters()).device
     for mapping in mappings:
         stage, ep_owner = _owner_stage(mapping, spec, dims), _owner_ep(mapping, spec, dims)
         is_expert = mapping.expert is not None
@@ -235,7 +241,7 @@ def export_canonical(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDims
         yield mapping, full
 
 
-def export_hf(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDims, critic: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf(model: Chunks, spec: ModelSpec, dims: ParallelDims, critic: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for every weight of the HF checkpoint, streamed, on every rank.
 
     A critic exports its backbone plus the value head as `score.weight` / `score.bias` (the names
@@ -247,8 +253,8 @@ def export_hf(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDims, criti
         yield from _value_head(model, dims)
 
 
-def _value_head(model: torch.nn.Module, dims: ParallelDims) -> Iterator[tuple[str, torch.Tensor]]:
-    model = unwrap(model)
+def _value_head(model, dims: ParallelDims) -> Iterator[tuple[str, torch.Tensor]]:
+    model = model_chunks(model)[-1]  # the head is on the last chunk
     param = next(model.parameters())
     for name in ("weight", "bias"):
         if dims.is_last_stage:
@@ -268,7 +274,7 @@ def _umask() -> int:
     return mask
 
 
-def save_hf_checkpoint(model: torch.nn.Module, spec: ModelSpec, dims: ParallelDims, out_dir: str | Path, source_dir: str | Path,
+def save_hf_checkpoint(model: Chunks, spec: ModelSpec, dims: ParallelDims, out_dir: str | Path, source_dir: str | Path,
                        max_shard_bytes: int = 2 << 30, critic: bool = False) -> None:
     """Write an HF model directory (safetensors shards + config + tokenizer) from rank 0 (collective)."""
     from safetensors.torch import save_file

@@ -257,9 +257,12 @@ def train_flops_per_token(a: Arch, seq_len: int, recompute: str = "none", critic
     return fwd * (4 if recompute == "full" else 3)
 
 
-def stage_layers(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[range]:
+def stage_layers(num_layers: int, pp: int, first: int | None = None, last: int | None = None, vpp: int | None = 1) -> list[range]:
     """Layers of each pipeline stage: `first`/`last` layers on the end stages (Megatron's
-    num_layers_in_first/last_pipeline_stage), the rest split evenly; ValueError shows the arithmetic."""
+    num_layers_in_first/last_pipeline_stage), the rest split evenly; with `vpp` virtual stages each
+    stage's layers must also cut into vpp equal chunks. ValueError shows the arithmetic. The one
+    copy of Megatron-Core's rules (TransformerConfig), used by the planner and by ParallelDims."""
+    vpp = vpp or 1
     if pp == 1:
         if first not in (None, num_layers) or last not in (None, num_layers):
             raise ValueError("--first-stage-layers/--last-stage-layers need pp > 1")
@@ -268,15 +271,20 @@ def stage_layers(num_layers: int, pp: int, first: int | None = None, last: int |
     lst = last if last is not None else None
     middle_stages = pp - (f is not None) - (lst is not None)
     rest = num_layers - (f or 0) - (lst or 0)
-    if rest < 0 or (middle_stages == 0 and rest != 0) or (middle_stages and rest % middle_stages):
+    if rest < 0 or (middle_stages == 0 and rest != 0) or (middle_stages and (rest == 0 or rest % middle_stages)):
         raise ValueError(f"{num_layers} layers do not split over pp={pp}: first stage {f}, last stage {lst}, "
-                         f"{rest} layers left for {middle_stages} stages")
+                         f"{rest} layers left for {middle_stages} stages; choose first/last stage layers so that "
+                         f"num_layers - first - last is a positive multiple of the other stages")
     per = rest // middle_stages if middle_stages else 0
     sizes = [per] * pp
     if f is not None:
         sizes[0] = f
     if lst is not None:
         sizes[-1] = lst
+    bad = [(stage, n) for stage, n in enumerate(sizes) if n % vpp]
+    if bad:
+        raise ValueError(f"pipeline stage {bad[0][0]} has {bad[0][1]} layers, not divisible by vpp={vpp} (each stage is "
+                         f"cut into vpp equal model chunks); stage layers: {sizes}")
     starts = [sum(sizes[:i]) for i in range(pp)]
     return [range(s, s + n) for s, n in zip(starts, sizes)]
 

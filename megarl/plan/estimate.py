@@ -98,7 +98,7 @@ def check(arch: Arch, lay: Layout, cl: Cluster) -> tuple[int, int]:
         raise ValueError(f"--rollout-tp {lay.rollout_tp} must divide --gpus {cl.gpus}")
     if lay.vpp > 1 and lay.pp == 1:
         raise ValueError("--vpp > 1 needs --pp > 1")
-    stage_layers(arch.num_layers, lay.pp, lay.first_stage_layers, lay.last_stage_layers)
+    stage_layers(arch.num_layers, lay.pp, lay.first_stage_layers, lay.last_stage_layers, lay.vpp)
     return dp, edp
 
 

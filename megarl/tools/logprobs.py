@@ -1,6 +1,7 @@
 """Per-token log-probs of token sequences under a Megatron-Core model loaded from an HF directory.
 
-    torchrun --nproc_per_node N -m megarl.tools.logprobs --model DIR --tp T --pp P [--ep E] \
+    torchrun --nproc_per_node N -m megarl.tools.logprobs --model DIR --tp T --pp P [--ep E] [--etp E] \
+        [--vpp V] [--first-stage-layers F] [--last-stage-layers L] \
         --input in.jsonl --output out.jsonl [--dtype float32|bfloat16]
 
 Each input line is {"input_ids": [...]}; each output line is {"logprobs": [...]} with
@@ -47,6 +48,7 @@ def read_jsonl_ids(path: str, vocab_size: int | None = None) -> list[list[int]]:
 
 def sequence_logprobs(model, spec, dims, sequences: list[list[int]], micro_batch_size: int = 4, length: int | None = None, num_micro_batches: int | None = None) -> list[list[float]]:
     """Log-probs of each sequence (this rank computes all of them; callers split over DP).
+    `model` is this rank's model, or its list of chunks with virtual pipeline stages.
 
     `length` and `num_micro_batches` must be equal on every rank of an expert-parallel group: MoE
     layers exchange tokens across it, so every replica runs the same shapes.
@@ -61,7 +63,8 @@ def sequence_logprobs(model, spec, dims, sequences: list[list[int]], micro_batch
     ids, _ = pad_right(sequences, pad_id=0, length=length) if sequences else (torch.zeros(0, length, dtype=torch.long), None)
     pad_rows = num_micro_batches * micro_batch_size - n  # the pipeline needs equal micro-batches
     ids = torch.cat([ids, torch.zeros(pad_rows, ids.shape[1], dtype=ids.dtype)])
-    device = next(model.parameters()).device
+    first = model[0] if isinstance(model, (list, tuple)) else model
+    device = next(first.parameters()).device
     micro_batches = [{"input_ids": ids[i : i + micro_batch_size].to(device)} for i in range(0, len(ids), micro_batch_size)]
 
     def compute(logits, mb):
@@ -79,26 +82,35 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--etp", type=int, default=None, help="expert tensor parallelism (default: --tp)")
+    p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per pipeline rank (interleaved 1F1B)")
+    p.add_argument("--first-stage-layers", type=int, default=None, help="layers of the first pipeline stage (uneven stages)")
+    p.add_argument("--last-stage-layers", type=int, default=None, help="layers of the last pipeline stage (uneven stages)")
     p.add_argument("--input", required=True)
     p.add_argument("--output", required=True)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--micro-batch-size", type=int, default=4)
     args = p.parse_args(argv)
 
-    from megarl.models import load_model
-    from megarl.models.families import load_spec
+    from megarl.models import load_model_chunks
+    from megarl.models.families import check_layout, load_spec
     from megarl.parallel import dims_from_env
 
     try:
         spec = load_spec(args.model)  # UnsupportedModelError is a ValueError
         sequences = read_jsonl_ids(args.input, spec.vocab_size)
-        dims = dims_from_env(tp=args.tp, pp=args.pp, ep=args.ep)
+        dims = dims_from_env(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, vpp=args.vpp,
+                             first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers)
+        uneven = args.first_stage_layers is not None or args.last_stage_layers is not None
+        check_layout(spec, dims.tp, dims.pp, dims.ep, dims.etp, uneven_stages=uneven)
+        dims.stage_layer_counts(spec.num_layers)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     dims.initialize()
-    model, spec = load_model(args.model, dims, dtype=args.dtype)
-    model.eval()
+    model, spec = load_model_chunks(args.model, dims, dtype=args.dtype)
+    for chunk in model:
+        chunk.eval()
     # Data parallel: replica r handles sequences r, r + dp, ...; results meet on every rank.
     mine = list(range(dims.dp_rank, len(sequences), dims.dp))
     per_replica = -(-len(sequences) // dims.dp)
