@@ -103,7 +103,8 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 
 # name -> (arch, make_tiny_model options): between them, q_lora_rank set and none, YaRN and plain
 # rope, 1, 2 and 4 expert groups, tied and untied embeddings, MTP layers in the checkpoint; 8 experts
-# (4 or 2 per group) so that the correction bias and the group choice both decide routes.
+# (4 or 2 per group) so that the correction bias and the group choice both decide routes. Four
+# layers, the first dense, so that uneven and virtual pipeline stages have layers to split.
 TINY_671B = {
     "deepseek_v3": ("deepseek_v3", dict(experts=8, groups=2, topk_group=1, topk=2, yarn_factor=4.0, mtp_layers=1)),
     "deepseek_v3_noq_tied": ("deepseek_v3", dict(q_lora_rank=0, experts=8, groups=4, topk_group=2, topk=4, tie=True)),
@@ -114,10 +115,10 @@ TINY_671B = {
 
 @pytest.fixture(scope="session")
 def tiny_moe_671b_models(tmp_path_factory) -> dict[str, Path]:
-    """Tiny DeepSeek-V3 and GLM-4.5 models (`TINY_671B`), vocabulary 301 (TP pads it), 2 layers: a
-    dense first layer, then a MoE layer."""
+    """Tiny DeepSeek-V3 and GLM-4.5 models (`TINY_671B`), vocabulary 301 (TP pads it), 4 layers: a
+    dense first layer, then MoE layers."""
     root = tmp_path_factory.mktemp("tiny_moe_671b")
-    return {name: make_model(root / name, arch, vocab_size=301, seed=i, **options)
+    return {name: make_model(root / name, arch, vocab_size=301, layers=4, seed=i, **options)
             for i, (name, (arch, options)) in enumerate(TINY_671B.items())}
 
 

@@ -339,8 +339,8 @@ def test_deepseek_v3_and_glm4_moe_specs(tiny_moe_671b_models):
         assert (spec.num_experts, spec.moe_topk, spec.moe_ffn_hidden_size) == (8, cfg.num_experts_per_tok, 64)
         assert spec.moe_score_function == "sigmoid" and spec.moe_expert_bias and spec.moe_renormalize_topk
         assert spec.moe_routed_scaling_factor == 2.5 and spec.moe_shared_ffn_hidden_size == 64
-        assert spec.moe_first_dense_layers == 1 and spec.moe_layer_pattern == [0, 1]
-        assert [spec.is_moe_layer(i) for i in range(2)] == [False, True]
+        assert spec.moe_first_dense_layers == 1 and spec.moe_layer_pattern == [0, 1, 1, 1]
+        assert [spec.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
         # one group, or every group chosen, is plain top-k; else Megatron's group-limited routing
         groups = None if cfg.n_group == 1 else (cfg.n_group, cfg.topk_group)
         assert (None if spec.moe_num_groups is None else (spec.moe_num_groups, spec.moe_group_topk)) == groups

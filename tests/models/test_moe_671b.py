@@ -22,10 +22,13 @@ def test_correction_bias_is_loaded_frozen_and_never_updated(world_of_one, tiny_m
     from megarl.models import load_model
 
     path = tiny_moe_671b_models["deepseek_v3"]
-    checkpoint = load_file(path / "model.safetensors")["model.layers.1.mlp.gate.e_score_correction_bias"]
+    tensors = load_file(path / "model.safetensors")
+    checkpoint = [tensors[f"model.layers.{i}.mlp.gate.e_score_correction_bias"] for i in (1, 2, 3)]
     model, spec = load_model(str(path), world_of_one)
-    (router,) = _routers(model)  # layer 0 is dense: one MoE layer, one router
-    assert router.expert_bias.dtype == torch.float32 and torch.equal(router.expert_bias, checkpoint)
+    routers = _routers(model)  # layer 0 is dense: three MoE layers, three routers
+    assert len(routers) == 3
+    for router, bias in zip(routers, checkpoint):
+        assert router.expert_bias.dtype == torch.float32 and torch.equal(router.expert_bias, bias)
     assert "expert_bias" not in {n.rsplit(".", 1)[-1] for n, _ in model.named_parameters()}  # no optimizer touches it
     assert model.config.moe_router_enable_expert_bias and model.config.moe_router_bias_update_rate == 0.0
 
@@ -35,12 +38,14 @@ def test_correction_bias_is_loaded_frozen_and_never_updated(world_of_one, tiny_m
     tokens = torch.randint(0, spec.vocab_size, (2, 12))
     positions = torch.arange(12).unsqueeze(0).expand(2, -1)
     model(tokens, positions, None).sum().backward()
-    counts = router.local_tokens_per_expert.clone()
-    assert counts.sum() == 2 * 12 * spec.moe_topk and (counts != counts.mean()).any()  # unbalanced: a real update would move it
+    counts = [router.local_tokens_per_expert.clone() for router in routers]
+    for c in counts:
+        assert c.sum() == 2 * 12 * spec.moe_topk and (c != c.mean()).any()  # unbalanced: a real update would move it
     _update_router_expert_bias([model], model.config)
-    assert torch.equal(router.expert_bias, checkpoint)
-    # the same update at Megatron's default rate would have changed it
-    assert not torch.equal(get_updated_expert_bias(counts, checkpoint.clone(), 1e-3), checkpoint)
+    for router, bias, c in zip(routers, checkpoint, counts):
+        assert torch.equal(router.expert_bias, bias)
+        # the same update at Megatron's default rate would have changed it
+        assert not torch.equal(get_updated_expert_bias(c, bias.clone(), 1e-3), bias)
 
 
 def test_mtp_layers_are_skipped_with_one_note(world_of_one, tiny_moe_671b_models, caplog):
@@ -49,7 +54,7 @@ def test_mtp_layers_are_skipped_with_one_note(world_of_one, tiny_moe_671b_models
     with caplog.at_level(logging.WARNING, logger="megarl.models.weights"):
         load_model(str(tiny_moe_671b_models["glm4_moe"]), world_of_one)
     notes = [r.getMessage() for r in caplog.records if "multi-token-prediction" in r.getMessage()]
-    assert len(notes) == 1 and "skipping 1 multi-token-prediction layer(s)" in notes[0] and "model.layers.2" in notes[0]
+    assert len(notes) == 1 and "skipping 1 multi-token-prediction layer(s)" in notes[0] and "model.layers.4" in notes[0]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="megarl.models.weights"):
         load_model(str(tiny_moe_671b_models["glm4_moe_tied"]), world_of_one)  # no MTP layers: no note
