@@ -5,6 +5,8 @@ Weight conversion (`megarl.models.convert`) understands both naming schemes.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -250,15 +252,40 @@ def build_gpt_model(spec: ModelSpec, dims: ParallelDims, config=None, dtype: tor
     because `megarl.models.critic` replaces it by a scalar head.
     """
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
 
     config = config or build_transformer_config(spec, dims, dtype, recompute)
-    pp_group = dims.pp_group
     # With virtual stages the embedding lives in the first chunk of the first stage, the head in
     # the last chunk of the last stage.
     first_chunk = vp_stage is None or vp_stage == 0
     last_chunk = vp_stage is None or vp_stage == dims.chunks_per_stage - 1
-    model = GPTModel(
+    with _mla_latent_norms_at_build(config):
+        model = _gpt_model(GPTModel, spec, dims, config, vp_stage, value_head, first_chunk, last_chunk)
+    return model.to(current_platform().device)
+
+
+@contextlib.contextmanager
+def _mla_latent_norms_at_build(config):
+    """MLA's q/kv latent norms need `qk_layernorm=True` while the layers are built (Megatron-Core
+    0.19 refuses norm modules in the spec otherwise; 0.16 ignores the flag), and False afterwards:
+    finalize_model_grads sums the grads of parameters named `q_layernorm` over TP when it is set,
+    which is right for per-head q/k norms but doubles MLA's, whose grads are already complete on
+    every TP rank (each rank normalises the whole gathered latent, and the column-parallel up
+    projection all-reduces its input gradient)."""
+    if not getattr(config, "multi_latent_attention", False):
+        yield
+        return
+    config.qk_layernorm = True
+    try:
+        yield
+    finally:
+        config.qk_layernorm = False
+
+
+def _gpt_model(GPTModel, spec, dims, config, vp_stage, value_head, first_chunk, last_chunk):
+    from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
+
+    pp_group = dims.pp_group
+    return GPTModel(
         config=config,
         transformer_layer_spec=decoder_spec(spec, config, vp_stage),
         vocab_size=spec.padded_vocab_size(dims.tp),
@@ -274,4 +301,3 @@ def build_gpt_model(spec: ModelSpec, dims: ParallelDims, config=None, dtype: tor
         rope_scaling_factor=spec.rope_scaling_factor or 8.0,
         vp_stage=vp_stage,
     )
-    return model.to(current_platform().device)

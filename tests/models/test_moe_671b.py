@@ -1,12 +1,17 @@
 """DeepSeek-V3 / GLM-4.5 details the parity runs do not show on their own: the score-correction bias
 is a float32 buffer that training never moves, multi-token-prediction layers are skipped with one
-note, and Transformer-Engine's fused MLA norm names map onto the same weights as the local ones."""
+note, Transformer-Engine's fused MLA norm names map onto the same weights as the local ones, and
+MLA's latent-norm gradients are complete on every TP rank."""
 from __future__ import annotations
 
+import json
 import logging
 
+import pytest
 import torch
 from safetensors.torch import load_file
+
+from conftest import torchrun
 
 
 def _routers(model):
@@ -73,3 +78,17 @@ def test_te_fused_mla_norms_map_to_the_local_names(tiny_moe_671b_models):
         assert global_name(f"decoder.layers.0.{te}", 1, 0) == f"decoder.layers.1.{local}"
         assert f"decoder.layers.1.{local}" in names
     assert "decoder.layers.1.mlp.router.expert_bias" in names and "decoder.layers.0.mlp.router.expert_bias" not in names
+
+
+@pytest.mark.multiprocess
+def test_mla_latent_norm_grads_need_no_tp_reduction(tiny_moe_671b_models, tmp_path):
+    """At tp2 each rank's q/kv latent-norm gradient already equals tp1's; finalize_model_grads sums
+    `q_layernorm` grads over TP when config.qk_layernorm is set, so the built model must leave it
+    off (builder._mla_latent_norms_at_build; Megatron-Core 0.19 needs it on while building)."""
+    out = tmp_path / "grads.json"
+    torchrun(2, ["tests/models/mla_grad_worker.py", "--model", str(tiny_moe_671b_models["deepseek_v3"]), "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["qk_layernorm"] is False
+    assert result["norms"] == ["decoder.layers.0.self_attention.kv_layernorm.weight",
+                               "decoder.layers.0.self_attention.q_layernorm.weight"]
+    assert result["max_rel_diff"] < 1e-5, result  # summing over the two TP ranks would make it 1
