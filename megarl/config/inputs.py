@@ -61,6 +61,9 @@ def check_model_layout(cfg: Config) -> None:
     for count, size, what, key in checks:
         if count % size:
             raise ConfigError(f"{key} = {size} does not divide the model's {count} {what} ({cfg.model.path})")
+    if p.vpp and p.vpp > 1 and arch.tie_embeddings:
+        raise ConfigError(f"parallel.vpp = {p.vpp} with a model whose embeddings are tied ({cfg.model.path}): Megatron-Core's "
+                          f"optimizer checkpoint does not restore this combination correctly; use parallel.vpp=null")
     try:
         stage_layers(arch.num_layers, p.pp, p.first_stage_layers, p.last_stage_layers, p.vpp)
     except ValueError as err:

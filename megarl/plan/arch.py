@@ -275,6 +275,10 @@ def stage_layers(num_layers: int, pp: int, first: int | None = None, last: int |
         raise ValueError(f"{num_layers} layers do not split over pp={pp}: first stage {f}, last stage {lst}, "
                          f"{rest} layers left for {middle_stages} stages; choose first/last stage layers so that "
                          f"num_layers - first - last is a positive multiple of the other stages")
+    if vpp > 1 and middle_stages == 0:
+        # Megatron-Core 0.16's get_transformer_layer_offset divides by the middle stages under vpp
+        raise ValueError(f"with vpp={vpp}, pp={pp} has no middle stage when both first and last stage layers are set; "
+                         f"set only one of them (the other stage takes the rest)")
     per = rest // middle_stages if middle_stages else 0
     sizes = [per] * pp
     if f is not None:

@@ -37,7 +37,10 @@ def load_run_config(path: str | Path, overrides: list[str] = ()) -> dict:
 def planner_inputs(cfg: dict, **run_overrides) -> tuple[str, Layout, RunShape]:
     """(model path, Layout, RunShape) of a megarl config dict; run_overrides replace RunShape fields."""
     tp = _get(cfg, "parallel.tp", 1)
-    lay = Layout(tp=tp, pp=_get(cfg, "parallel.pp", 1), ep=_get(cfg, "parallel.ep", 1), etp=_get(cfg, "parallel.etp", None),
+    lay = Layout(tp=tp, pp=_get(cfg, "parallel.pp", 1), vpp=_get(cfg, "parallel.vpp", 1),
+                 first_stage_layers=_get(cfg, "parallel.first_stage_layers", None),
+                 last_stage_layers=_get(cfg, "parallel.last_stage_layers", None),
+                 ep=_get(cfg, "parallel.ep", 1), etp=_get(cfg, "parallel.etp", None),
                  cp=_get(cfg, "parallel.cp", 1), rollout_tp=_get(cfg, "rollout.tp", 1))
     alg = _get(cfg, "algorithm.adv_estimator", "gae")
     shape = dict(

@@ -109,3 +109,44 @@ def test_process_groups_four_processes(tmp_path):
         assert r["dp_group"] == [0, 1, 2, 3] and r["tp_group"] == [rank]
 
     assert "built for world size 8 but torch.distributed has 4 processes" in results["wrong_world_error"]
+
+
+def test_uneven_stages_validation():
+    dims = ParallelDims(world_size=32, pp=16, first_stage_layers=3, last_stage_layers=2)
+    assert dims.stage_layer_counts(61) == [3] + [4] * 14 + [2]
+    assert "first_stage_layers=3 last_stage_layers=2" in dims.describe()
+    with pytest.raises(ValueError, match=r"parallel\.first_stage_layers=2 needs parallel\.pp > 1"):
+        ParallelDims(world_size=2, first_stage_layers=2)
+    with pytest.raises(ValueError, match=r"parallel\.last_stage_layers must be a positive integer or unset, got 0"):
+        ParallelDims(world_size=2, pp=2, last_stage_layers=0)
+    with pytest.raises(ValueError, match=r"61 layers do not split over pp=16: first stage 3, last stage 3, 55 layers left for 14 stages"):
+        ParallelDims(world_size=16, pp=16, first_stage_layers=3, last_stage_layers=3).stage_layer_counts(61)
+    with pytest.raises(ValueError, match=r"pipeline stage 0 has 3 layers, not divisible by vpp=2"):
+        ParallelDims(world_size=16, pp=16, vpp=2, first_stage_layers=3, last_stage_layers=2).stage_layer_counts(61)
+    assert ParallelDims(world_size=2, pp=2, vpp=1).vpp is None  # one virtual stage is plain 1F1B
+    with pytest.raises(ValueError, match=r"with vpp=2, pp=2 has no middle stage .* set only one of them"):
+        ParallelDims(world_size=2, pp=2, vpp=2, first_stage_layers=2, last_stage_layers=2).stage_layer_counts(4)
+
+
+@pytest.mark.parametrize("num_layers,pp,vpp,first,last", [
+    (8, 2, None, None, None), (8, 2, 2, None, None), (4, 2, None, 1, None), (4, 2, None, None, 1),
+    (61, 16, None, 3, 2), (61, 12, None, None, 6), (14, 4, 2, 2, 4), (24, 4, 3, 3, 3), (94, 8, 2, 12, 10)])
+def test_chunk_layers_are_megatrons(num_layers, pp, vpp, first, last):
+    """ParallelDims.chunk_layers (used to find a layer's owner when exporting) places every layer
+    where Megatron-Core builds it (get_transformer_layer_offset / get_num_layers_to_build)."""
+    import torch
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    dims = ParallelDims(world_size=pp, pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last)
+    config = TransformerConfig(num_layers=num_layers, hidden_size=8, num_attention_heads=2, pipeline_model_parallel_size=pp,
+                               virtual_pipeline_model_parallel_size=vpp, num_layers_in_first_pipeline_stage=first,
+                               num_layers_in_last_pipeline_stage=last, pipeline_dtype=torch.float32)
+    mine = dims.chunk_layers(num_layers)
+    for (rank, vp), layers in mine.items():
+        vp_stage = vp if vpp else None
+        start = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=rank)
+        assert layers == range(start, start + get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=rank)), (rank, vp)
+    assert sorted(layer for r in mine.values() for layer in r) == list(range(num_layers))
+    assert dims.layer_owner(num_layers - 1, num_layers) == (pp - 1, (vpp or 1) - 1)

@@ -46,6 +46,8 @@ def main() -> None:
     p.add_argument("--models", nargs="+", required=True)
     p.add_argument("--layouts", nargs="+", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--cli", default=None,
+                   help="after the layouts: run `megarl.tools.logprobs` with these (shell-quoted) arguments; it ends the process group")
     args = p.parse_args()
 
     from megarl.models import load_model_chunks
@@ -103,6 +105,12 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
     dist.barrier()
+    if args.cli is not None:
+        from megarl.tools.logprobs import main as logprobs_main
+
+        import shlex
+
+        raise SystemExit(logprobs_main(shlex.split(args.cli)))  # the command line, in the same torchrun world
     dist.destroy_process_group()
 
 

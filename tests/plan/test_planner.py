@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from hf_configs import DEEPSEEK_V3, GLM45, PUBLISHED_PARAMS, QWEN25_05B, QWEN25_7B, write
+from hf_configs import DEEPSEEK_V3, GLM45, PUBLISHED_PARAMS, QWEN3_235B, QWEN25_05B, QWEN25_7B, write
 from megarl.plan import Cluster, GPUS, Layout, RunShape, arch_from_config, plan, search, train_flops_per_token
 from megarl.plan.arch import forward_flops_per_token, params_mtp, params_total, stage_layers
 from megarl.plan.from_config import load_run_config, planner_inputs
@@ -135,7 +135,11 @@ def test_search_ranks_fitting_layouts_for_qwen25_7b():
 
 
 # Shipped configs and the cluster their headers state.
-SHIPPED = {"qwen2.5-0.5b-gsm8k.yaml": (QWEN25_05B, Cluster(1, 1, GPUS["h100-80gb"]))}
+SHIPPED = {"qwen2.5-0.5b-gsm8k.yaml": (QWEN25_05B, Cluster(1, 1, GPUS["h100-80gb"])),
+           # issue 14's 671B-class configs: 32 nodes of 8 H100s each (their headers)
+           "deepseek-v3-671b.yaml": (DEEPSEEK_V3, Cluster(256, 8, GPUS["h100-80gb"])),
+           "glm-4.5-355b.yaml": (GLM45, Cluster(256, 8, GPUS["h100-80gb"])),
+           "qwen3-235b-a22b.yaml": (QWEN3_235B, Cluster(256, 8, GPUS["h100-80gb"]))}
 
 
 def test_shipped_configs_fit_their_stated_cluster(tmp_path):
@@ -147,6 +151,10 @@ def test_shipped_configs_fit_their_stated_cluster(tmp_path):
         _, lay, run = planner_inputs(load_run_config(path))
         report = plan(arch_from_config(hf), lay, run, cluster)
         assert report["fits"], (path.name, report["problems"])
+        # the planner sees the config's whole layout (uneven end stages, virtual stages)
+        p = load_run_config(path)["parallel"]
+        assert (lay.first_stage_layers, lay.last_stage_layers, lay.vpp) == (
+            p.get("first_stage_layers"), p.get("last_stage_layers"), p.get("vpp") or 1), path.name
 
 
 @pytest.mark.parametrize("argv,message", [
