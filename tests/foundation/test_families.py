@@ -452,3 +452,52 @@ def test_check_layout_mla(tiny_moe_671b_models):
         check_layout(dataclasses.replace(spec, mla=dataclasses.replace(spec.mla, kv_lora_rank=33)), tp=2, pp=1)
     with pytest.raises(ValueError, match="q_lora_rank 30 is not divisible by tp=4"):
         check_layout(dataclasses.replace(spec, mla=dataclasses.replace(spec.mla, q_lora_rank=30)), tp=4, pp=1)
+
+
+# DeepSeek-V3's and GLM-4.5's published config.json (the keys megarl reads, values as released)
+DEEPSEEK_V3_RELEASED = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+    "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8,
+    "topk_group": 4, "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-06,
+    "rope_theta": 10000, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                          "original_max_position_embeddings": 4096, "type": "yarn"},
+    "tie_word_embeddings": False, "vocab_size": 129280, "num_nextn_predict_layers": 1, "attention_bias": False,
+}
+GLM45_RELEASED = {
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 5120, "intermediate_size": 12288,
+    "moe_intermediate_size": 1536, "num_hidden_layers": 92, "num_attention_heads": 96, "num_key_value_heads": 8,
+    "head_dim": 128, "partial_rotary_factor": 0.5, "attention_bias": True, "use_qk_norm": True, "n_routed_experts": 160,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 3, "norm_topk_prob": True, "num_nextn_predict_layers": 1, "vocab_size": 151552,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 1000000, "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}
+
+
+def test_released_configs_build_megatron_configs_at_published_layouts():
+    """The real config.json files load, and Megatron-Core accepts the TransformerConfig megarl builds
+    from them at the recipes' layouts (NeMo-RL's DeepSeek-V3 TP1 PP16 EP16 with 3 / 2 end stages,
+    verl's TP8 PP12 EP8; Megatron-Bridge's GLM-4.5 TP2 PP8 EP16 ETP1 with uneven ends)."""
+    from megarl.models.builder import build_transformer_config
+    from megarl.parallel import ParallelDims
+
+    dsv3 = spec_from_hf_config(DEEPSEEK_V3_RELEASED)
+    assert (dsv3.moe_num_groups, dsv3.moe_group_topk, dsv3.moe_routed_scaling_factor) == (8, 4, 2.5)
+    assert dsv3.yarn == dataclasses.replace(dsv3.yarn, factor=40.0, mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1,
+                                            original_max_position_embeddings=4096)
+    assert dsv3.mla.q_lora_rank == 1536 and dsv3.moe_first_dense_layers == 3 and dsv3.mtp_layers == 1
+    for dims in (ParallelDims(world_size=256, pp=16, ep=16, first_stage_layers=3, last_stage_layers=2),
+                 ParallelDims(world_size=768, tp=8, pp=12, ep=8, last_stage_layers=6)):
+        config = build_transformer_config(dsv3, dims)
+        assert type(config).__name__ == "MLATransformerConfig" and config.rope_type == "yarn"
+        assert (config.moe_router_num_groups, config.moe_router_group_topk, config.moe_router_score_function) == (8, 4, "sigmoid")
+        assert config.moe_layer_freq == [0] * 3 + [1] * 58 and config.moe_shared_expert_intermediate_size == 2048
+        assert config.moe_router_enable_expert_bias and config.moe_router_bias_update_rate == 0.0
+    glm = spec_from_hf_config(GLM45_RELEASED)
+    assert glm.rotary_percent == 0.5 and glm.qk_norm and glm.qkv_bias and glm.moe_num_groups is None
+    config = build_transformer_config(glm, ParallelDims(world_size=256, tp=2, pp=8, ep=16, etp=1, first_stage_layers=11,
+                                                       last_stage_layers=9))
+    assert config.moe_layer_freq == [0] * 3 + [1] * 89 and config.moe_router_topk_scaling_factor == 2.5
