@@ -25,6 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 # baseline) lives beside the benchmarks that use it.
 sys.path.insert(0, str(REPO / "benchmarks"))
 FAMILIES = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+# The 671B-class families (issue 14) have their own, variant-rich fixture (`tiny_moe_671b_models`):
+# adding them to FAMILIES would run every family-wide test on two more, slower models.
+FAMILIES_671B = ("deepseek_v3", "glm4_moe")
 
 # Keep every test process single-threaded: the suite runs many ranks on two cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -96,6 +99,27 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
         arch: make_model(root / arch, arch, vocab_size=301, tie=(arch == "llama"), seed=FAMILIES.index(arch))
         for arch in FAMILIES
     }
+
+
+# name -> (arch, make_tiny_model options): between them, q_lora_rank set and none, YaRN and plain
+# rope, 1, 2 and 4 expert groups, tied and untied embeddings, MTP layers in the checkpoint; 8 experts
+# (4 or 2 per group) so that the correction bias and the group choice both decide routes. Four
+# layers, the first dense, so that uneven and virtual pipeline stages have layers to split.
+TINY_671B = {
+    "deepseek_v3": ("deepseek_v3", dict(experts=8, groups=2, topk_group=1, topk=2, yarn_factor=4.0, mtp_layers=1)),
+    "deepseek_v3_noq_tied": ("deepseek_v3", dict(q_lora_rank=0, experts=8, groups=4, topk_group=2, topk=4, tie=True)),
+    "glm4_moe": ("glm4_moe", dict(experts=8, groups=1, topk=2, mtp_layers=1)),
+    "glm4_moe_tied": ("glm4_moe", dict(experts=8, groups=2, topk_group=1, topk=2, qk_norm=False, tie=True)),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_671b_models(tmp_path_factory) -> dict[str, Path]:
+    """Tiny DeepSeek-V3 and GLM-4.5 models (`TINY_671B`), vocabulary 301 (TP pads it), 4 layers: a
+    dense first layer, then MoE layers."""
+    root = tmp_path_factory.mktemp("tiny_moe_671b")
+    return {name: make_model(root / name, arch, vocab_size=301, layers=4, seed=i, **options)
+            for i, (name, (arch, options)) in enumerate(TINY_671B.items())}
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,8 @@ Weight conversion (`megarl.models.convert`) understands both naming schemes.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -60,8 +62,14 @@ def build_transformer_config(spec: ModelSpec, dims: ParallelDims, dtype: torch.d
             moe_grouped_gemm=False,
             # fp32 router logits always; no load-balancing loss unless asked (megarl.models.moe_routing)
             **router_config(routing),
+            **_deepseek_moe(spec),
         )
-    config = TransformerConfig(
+    config_class, attention = TransformerConfig, {}
+    if spec.mla is not None:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        config_class, attention = MLATransformerConfig, _mla_config(spec)
+    config = config_class(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.ffn_hidden_size,
@@ -115,9 +123,52 @@ def build_transformer_config(spec: ModelSpec, dims: ParallelDims, dtype: torch.d
         recompute_method="uniform" if recompute == "full" else None,
         recompute_num_layers=1 if recompute == "full" else None,
         **moe,
+        **attention,
     )
     cpu_compat.require_finalize_model_grads(config)  # seam 8 (harmless on GPU as well)
     return config
+
+
+def _deepseek_moe(spec: ModelSpec) -> dict:
+    """Sigmoid routing with group-limited top-k, a frozen score-correction bias, shared experts and
+    dense first layers (DeepSeek-V3, GLM-4.5); nothing for softmax-routed families."""
+    if spec.moe_score_function != "sigmoid":
+        return {}
+    return dict(
+        moe_router_score_function="sigmoid",
+        moe_router_num_groups=spec.moe_num_groups,
+        moe_router_group_topk=spec.moe_group_topk,
+        moe_router_topk_scaling_factor=spec.moe_routed_scaling_factor,
+        # The correction bias only picks experts. Megatron adapts it to the load after every step
+        # (aux-loss-free balancing); a rate of 0 keeps the checkpoint's bias: RL must not move the
+        # routing that the rollout engine, which reads the same bias, uses.
+        moe_router_enable_expert_bias=spec.moe_expert_bias,
+        moe_router_bias_update_rate=0.0,
+        moe_shared_expert_intermediate_size=spec.moe_shared_ffn_hidden_size,
+        moe_layer_freq=spec.moe_layer_pattern,
+    )
+
+
+def _mla_config(spec: ModelSpec) -> dict:
+    """MLATransformerConfig's fields: latent sizes, and rope (plain or YaRN) on the rope dims only."""
+    mla, yarn = spec.mla, spec.yarn
+    fields = dict(
+        multi_latent_attention=True,
+        q_lora_rank=mla.q_lora_rank,
+        kv_lora_rank=mla.kv_lora_rank,
+        qk_head_dim=mla.qk_nope_head_dim,
+        qk_pos_emb_head_dim=mla.qk_rope_head_dim,
+        v_head_dim=mla.v_head_dim,
+        rotary_base=spec.rope_theta,
+        rope_type="rope" if yarn is None else "yarn",
+        # without YaRN: factor 1 makes MLA's softmax mscale 1, as in transformers
+        rotary_scaling_factor=1.0 if yarn is None else yarn.factor,
+    )
+    if yarn is not None:
+        fields.update(original_max_position_embeddings=yarn.original_max_position_embeddings,
+                      beta_fast=yarn.beta_fast, beta_slow=yarn.beta_slow,
+                      mscale=yarn.mscale, mscale_all_dim=yarn.mscale_all_dim)
+    return fields
 
 
 def layer_spec(spec: ModelSpec, use_te: bool | None = None):
@@ -130,13 +181,67 @@ def layer_spec(spec: ModelSpec, use_te: bool | None = None):
 
     if use_te is None:
         use_te = not current_platform().is_cpu and have_transformer_engine()
+    mla = spec.mla is not None
+    # MLA's q/kv latent norms exist only with qk_layernorm=True in Megatron's specs.
+    qk_layernorm = spec.qk_norm or mla
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=spec.num_experts, qk_layernorm=spec.qk_norm)
-    local = get_gpt_layer_local_spec(num_experts=spec.num_experts, qk_layernorm=spec.qk_norm, normalization="RMSNorm")
-    # Megatron's local attention materialises the scores and refuses packed (thd) micro-batches;
-    # ours runs scaled_dot_product_attention, per length group when packed.
+        te = get_gpt_layer_with_transformer_engine_spec(num_experts=spec.num_experts, qk_layernorm=qk_layernorm,
+                                                        multi_latent_attention=mla)
+        return _mla_te_down_projections(te) if mla else te
+    if mla:
+        from megarl.platform import cpu_compat
+
+        cpu_compat.mla_without_transformer_engine()  # seam 10
+    local = get_gpt_layer_local_spec(num_experts=spec.num_experts, qk_layernorm=qk_layernorm, normalization="RMSNorm",
+                                     multi_latent_attention=mla)
+    # Megatron's local attention materialises the scores and refuses packed (thd) micro-batches,
+    # and rejects MLA's different k/v head sizes; ours runs scaled_dot_product_attention, per
+    # length group when packed.
     local.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return local
+
+
+def _mla_te_down_projections(te_spec):
+    """The TE spec keeps MLA's q/kv down projections whole on every TP rank (TELinear, duplicated);
+    the local spec splits their rows over TP and gathers the output. Use TE's column-parallel
+    linear (a choice MLASelfAttention accepts) so both specs hold the same shards and one weight
+    mapping serves both."""
+    from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
+
+    attention = te_spec.submodules.self_attention.submodules
+    attention.linear_q_down_proj = TEColumnParallelLinear
+    attention.linear_kv_down_proj = TEColumnParallelLinear
+    return te_spec
+
+
+def decoder_spec(spec: ModelSpec, config, vp_stage: int | None = None, use_te: bool | None = None):
+    """What GPTModel builds its decoder from: one layer spec when every layer is alike, else the
+    block spec of this pipeline stage's layers (dense first layers, then MoE layers)."""
+    if not spec.moe_first_dense_layers:
+        return layer_spec(spec, use_te)
+    import dataclasses
+
+    from megatron.core.transformer.transformer_block import (
+        LayerNormImpl,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    moe_layer, dense_layer = layer_spec(spec, use_te), layer_spec(dataclasses.replace(spec, num_experts=None), use_te)
+    pattern = spec.moe_layer_pattern
+    # The slicing of Megatron's get_gpt_decoder_block_spec (which cannot take our core attention);
+    # the final norm is the one TransformerBlock gives a single layer spec.
+    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    if layout is not None:
+        from megatron.core.transformer.enums import LayerType
+
+        ids = layout.get_layer_id_list(layer_type=LayerType.decoder, vp_stage=vp_stage)
+    else:
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        ids = range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage))
+    return TransformerBlockSubmodules(layer_specs=[moe_layer if pattern[i] else dense_layer for i in ids],
+                                      layer_norm=LayerNormImpl)
 
 
 def build_gpt_model(spec: ModelSpec, dims: ParallelDims, config=None, dtype: torch.dtype = torch.float32, vp_stage: int | None = None, value_head: bool = False, recompute: str = "none",
@@ -147,27 +252,52 @@ def build_gpt_model(spec: ModelSpec, dims: ParallelDims, config=None, dtype: tor
     because `megarl.models.critic` replaces it by a scalar head.
     """
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
 
     config = config or build_transformer_config(spec, dims, dtype, recompute, routing)
-    pp_group = dims.pp_group
     # With virtual stages the embedding lives in the first chunk of the first stage, the head in
     # the last chunk of the last stage.
     first_chunk = vp_stage is None or vp_stage == 0
     last_chunk = vp_stage is None or vp_stage == dims.chunks_per_stage - 1
-    model = GPTModel(
+    with _mla_latent_norms_at_build(config):
+        model = _gpt_model(GPTModel, spec, dims, config, vp_stage, value_head, first_chunk, last_chunk)
+    return model.to(current_platform().device)
+
+
+@contextlib.contextmanager
+def _mla_latent_norms_at_build(config):
+    """MLA's q/kv latent norms need `qk_layernorm=True` while the layers are built (Megatron-Core
+    0.19 refuses norm modules in the spec otherwise; 0.16 ignores the flag), and False afterwards:
+    finalize_model_grads sums the grads of parameters named `q_layernorm` over TP when it is set,
+    which is right for per-head q/k norms but doubles MLA's, whose grads are already complete on
+    every TP rank (each rank normalises the whole gathered latent, and the column-parallel up
+    projection all-reduces its input gradient)."""
+    if not getattr(config, "multi_latent_attention", False):
+        yield
+        return
+    config.qk_layernorm = True
+    try:
+        yield
+    finally:
+        config.qk_layernorm = False
+
+
+def _gpt_model(GPTModel, spec, dims, config, vp_stage, value_head, first_chunk, last_chunk):
+    from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
+
+    pp_group = dims.pp_group
+    return GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(spec),
+        transformer_layer_spec=decoder_spec(spec, config, vp_stage),
         vocab_size=spec.padded_vocab_size(dims.tp),
         max_sequence_length=spec.max_position_embeddings,
         pre_process=is_pp_first_stage(pp_group) and first_chunk,
         post_process=is_pp_last_stage(pp_group) and last_chunk,
         parallel_output=True,
         share_embeddings_and_output_weights=spec.tie_embeddings and not value_head,
-        position_embedding_type="rope",
+        position_embedding_type="rope",  # MLA layers apply their own (and GPTModel then builds none)
+        rotary_percent=spec.rotary_percent,
         rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
         rope_scaling=spec.rope_scaling_factor is not None,
         rope_scaling_factor=spec.rope_scaling_factor or 8.0,
         vp_stage=vp_stage,
     )
-    return model.to(current_platform().device)

@@ -11,9 +11,17 @@ Megatron layouts encoded here:
   linear_qkv: per query group g, [q heads of g; k_g; v_g] (rows), TP splits whole groups.
   linear_fc1 (gated MLP): [gate; up], each half split over TP -> two sub-chunks per shard.
   word embeddings / output layer: vocab rows padded with zeros to a multiple of tp.
+  multi-latent attention (DeepSeek-V3): every projection is the HF tensor as it is; the q/kv down
+    projections are column-parallel in Megatron's local spec (rows split over TP, output gathered),
+    their norms are whole. The rope dims stay interleaved: Megatron's MLA de-interleaves them as
+    transformers does with rope_interleave.
+  router.expert_bias (a float32 buffer, not a parameter): HF's e_score_correction_bias.
+Multi-token-prediction layers (`model.layers.{n}` for n >= num_hidden_layers) have no mapping: they
+are skipped on load (`mtp_tensor_names`) and so never exported.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -41,6 +49,7 @@ class WeightMapping:
     tp_sub_chunks: int = 1
     layer: int | None = None  # global layer index; None for embedding / final norm / output
     expert: int | None = None  # global expert index for routed-expert weights
+    float32: bool = False  # kept in float32 whatever the model's dtype (the router's expert bias)
 
     def meta(self, tp_rank: int, tp_size: int) -> ShardMeta:
         return ShardMeta(self.shape, self.tp_dim, tp_rank, tp_size, self.tp_sub_chunks)
@@ -78,32 +87,75 @@ def weight_mappings(spec: ModelSpec, tp: int) -> list[WeightMapping]:
             return tuple(pieces)
 
         out.append(_whole(f"{hf}input_layernorm.weight", (h,), f"{mc}input_layernorm.weight", layer=layer))
-        out.append(WeightMapping(f"{mc}self_attention.linear_qkv.weight", (qkv_rows, h), qkv_pieces("weight"), 0, 1, layer))
-        if spec.qkv_bias:
-            out.append(WeightMapping(f"{mc}self_attention.linear_qkv.bias", (qkv_rows,), qkv_pieces("bias"), 0, 1, layer))
-        if spec.qk_norm:
-            out.append(_whole(f"{hf}self_attn.q_norm.weight", (d,), f"{mc}self_attention.q_layernorm.weight", layer=layer))
-            out.append(_whole(f"{hf}self_attn.k_norm.weight", (d,), f"{mc}self_attention.k_layernorm.weight", layer=layer))
-        out.append(_whole(f"{hf}self_attn.o_proj.weight", (h, spec.num_heads * d), f"{mc}self_attention.linear_proj.weight", 1, layer))
+        if spec.mla is not None:
+            out += _mla_mappings(spec, layer)
+        else:
+            out.append(WeightMapping(f"{mc}self_attention.linear_qkv.weight", (qkv_rows, h), qkv_pieces("weight"), 0, 1, layer))
+            if spec.qkv_bias:
+                out.append(WeightMapping(f"{mc}self_attention.linear_qkv.bias", (qkv_rows,), qkv_pieces("bias"), 0, 1, layer))
+            if spec.qk_norm:
+                out.append(_whole(f"{hf}self_attn.q_norm.weight", (d,), f"{mc}self_attention.q_layernorm.weight", layer=layer))
+                out.append(_whole(f"{hf}self_attn.k_norm.weight", (d,), f"{mc}self_attention.k_layernorm.weight", layer=layer))
+            out.append(_whole(f"{hf}self_attn.o_proj.weight", (h, spec.num_heads * d), f"{mc}self_attention.linear_proj.weight", 1, layer))
         out.append(_whole(f"{hf}post_attention_layernorm.weight", (h,), f"{mc}pre_mlp_layernorm.weight", layer=layer))
-        if spec.is_moe:
+        if spec.is_moe_layer(layer):
             names, f = spec.hf_names, spec.moe_ffn_hidden_size
             block = f"{hf}{names.moe_block}."
             out.append(_whole(f"{block}{names.router}.weight", (spec.num_experts, h), f"{mc}mlp.router.weight", layer=layer))
+            if spec.moe_expert_bias:
+                out.append(WeightMapping(f"{mc}mlp.router.expert_bias", (spec.num_experts,),
+                                         (Piece(f"{block}{names.router}.e_score_correction_bias", spec.num_experts),),
+                                         layer=layer, float32=True))
             for e in range(spec.num_experts):
                 ex, mex = f"{block}experts.{e}.", f"{mc}mlp.experts.local_experts.{e}."
                 fc1 = (Piece(f"{ex}{names.expert_gate}.weight", f), Piece(f"{ex}{names.expert_up}.weight", f))
                 out.append(WeightMapping(f"{mex}linear_fc1.weight", (2 * f, h), fc1, 0, 2, layer, e))
                 out.append(_whole(f"{ex}{names.expert_down}.weight", (h, f), f"{mex}linear_fc2.weight", 1, layer, e))
+            if spec.moe_shared_ffn_hidden_size:
+                out += _gated_mlp(f"{block}shared_experts.", f"{mc}mlp.shared_experts.", h, spec.moe_shared_ffn_hidden_size, layer)
         else:
-            f = spec.ffn_hidden_size
-            fc1 = (Piece(f"{hf}mlp.gate_proj.weight", f), Piece(f"{hf}mlp.up_proj.weight", f))
-            out.append(WeightMapping(f"{mc}mlp.linear_fc1.weight", (2 * f, h), fc1, 0, 2, layer))
-            out.append(_whole(f"{hf}mlp.down_proj.weight", (h, f), f"{mc}mlp.linear_fc2.weight", 1, layer))
+            out += _gated_mlp(f"{hf}mlp.", f"{mc}mlp.", h, spec.ffn_hidden_size, layer)
     out.append(_whole("model.norm.weight", (h,), "decoder.final_layernorm.weight"))
     lm_head = "model.embed_tokens.weight" if spec.tie_embeddings else "lm_head.weight"
     out.append(WeightMapping("output_layer.weight", (padded, h), (Piece(lm_head, vocab),) + pad, tp_dim=0))
     return out
+
+
+def _gated_mlp(hf: str, mc: str, h: int, f: int, layer: int) -> list[WeightMapping]:
+    """A TP-split SwiGLU MLP (dense layers, shared experts): fc1 = [gate; up], fc2 = down."""
+    fc1 = (Piece(f"{hf}gate_proj.weight", f), Piece(f"{hf}up_proj.weight", f))
+    return [WeightMapping(f"{mc}linear_fc1.weight", (2 * f, h), fc1, 0, 2, layer),
+            _whole(f"{hf}down_proj.weight", (h, f), f"{mc}linear_fc2.weight", 1, layer)]
+
+
+def _mla_mappings(spec: ModelSpec, layer: int) -> list[WeightMapping]:
+    """Multi-latent attention of one layer (local-spec names; TE's fused norms map onto them)."""
+    mla, h, heads = spec.mla, spec.hidden_size, spec.num_heads
+    hf, mc = f"model.layers.{layer}.self_attn.", f"decoder.layers.{layer}.self_attention."
+    q_rows = heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+    out = []
+    if mla.q_lora_rank is None:
+        out.append(_whole(f"{hf}q_proj.weight", (q_rows, h), f"{mc}linear_q_proj.weight", 0, layer))
+    else:
+        out += [_whole(f"{hf}q_a_proj.weight", (mla.q_lora_rank, h), f"{mc}linear_q_down_proj.weight", 0, layer),
+                _whole(f"{hf}q_a_layernorm.weight", (mla.q_lora_rank,), f"{mc}q_layernorm.weight", layer=layer),
+                _whole(f"{hf}q_b_proj.weight", (q_rows, mla.q_lora_rank), f"{mc}linear_q_up_proj.weight", 0, layer)]
+    kv_down = mla.kv_lora_rank + mla.qk_rope_head_dim  # [latent; shared rope key], as in HF
+    kv_up = heads * (mla.qk_nope_head_dim + mla.v_head_dim)  # per head [k_nope; v], as in HF
+    out += [_whole(f"{hf}kv_a_proj_with_mqa.weight", (kv_down, h), f"{mc}linear_kv_down_proj.weight", 0, layer),
+            _whole(f"{hf}kv_a_layernorm.weight", (mla.kv_lora_rank,), f"{mc}kv_layernorm.weight", layer=layer),
+            _whole(f"{hf}kv_b_proj.weight", (kv_up, mla.kv_lora_rank), f"{mc}linear_kv_up_proj.weight", 0, layer),
+            _whole(f"{hf}o_proj.weight", (h, heads * mla.v_head_dim), f"{mc}linear_proj.weight", 1, layer)]
+    return out
+
+
+_MTP_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def mtp_tensor_names(spec: ModelSpec, hf_names) -> list[str]:
+    """Checkpoint tensors of multi-token-prediction layers (layer number >= num_hidden_layers):
+    not part of the causal LM, so never loaded and never exported."""
+    return [n for n in hf_names if (m := _MTP_LAYER.match(n)) and int(m.group(1)) >= spec.num_layers]
 
 
 def exported_mappings(spec: ModelSpec, tp: int, lm_head: bool = True) -> list[WeightMapping]:

@@ -5,12 +5,18 @@ variant, MoE routing, and the HF weight names of its family. Everything megarl b
 model, weight converters, the critic) starts from it. Adding a family means adding one
 `_spec_<family>` function and, if its weight names differ, a `HFNames` entry.
 
-DeepSeek-V3 (MLA attention, shared experts, sigmoid routing with expert bias) fits this shape:
-`attention="mla"` and `moe_shared_experts` are reserved for it and refused until its converter lands.
+DeepSeek-V3 / Kimi-K2 (`deepseek_v3`: multi-latent attention, YaRN rope, dense first layers, shared
+experts, sigmoid routing with group-limited top-k and a frozen score-correction bias) and GLM-4.5
+(`glm4_moe`: partial rotary, optional q/k norm, the same MoE block) are described by the MLA / YaRN /
+routing fields below. What Megatron-Core computes differently from transformers is refused here, with
+the reason, rather than loaded and computed differently (see `_moe_routing`, `_yarn`).
+Multi-token-prediction layers (`num_nextn_predict_layers`) are not part of the causal LM: they are
+skipped on load and absent from export (`mtp_layers` records how many the checkpoint has).
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +34,30 @@ class HFNames:
     expert_gate: str = "gate_proj"
     expert_up: str = "up_proj"
     expert_down: str = "down_proj"
+
+
+@dataclass(frozen=True)
+class YarnRope:
+    """YaRN rope scaling in Megatron-Core's terms (`MLATransformerConfig`), chosen so that the inverse
+    frequencies, the cos/sin "attention factor" and the softmax scale equal transformers' (see `_yarn`)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float
+    beta_slow: float
+    mscale: float
+    mscale_all_dim: float
+
+
+@dataclass(frozen=True)
+class MLA:
+    """Multi-latent attention sizes (DeepSeek-V2/V3); q_lora_rank None = a plain q projection."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
 
 
 @dataclass(frozen=True)
@@ -52,12 +82,31 @@ class ModelSpec:
     moe_topk: int = 0
     moe_ffn_hidden_size: int | None = None
     moe_renormalize_topk: bool = True  # softmax over the top-k only (Mixtral, Qwen3-MoE norm_topk_prob)
-    attention: str = "gqa"
+    moe_score_function: str = "softmax"  # "sigmoid": DeepSeek-V3 / GLM-4.5
+    moe_num_groups: int | None = None  # group-limited top-k (n_group / topk_group); None = plain top-k
+    moe_group_topk: int | None = None
+    moe_routed_scaling_factor: float | None = None
+    moe_expert_bias: bool = False  # e_score_correction_bias: frozen, loaded and exported unchanged
+    moe_shared_ffn_hidden_size: int | None = None  # n_shared_experts * moe_intermediate_size
+    moe_first_dense_layers: int = 0  # first_k_dense_replace: these layers have a dense MLP
+    attention: str = "gqa"  # or "mla" (then `mla` is set)
+    mla: MLA | None = None
+    rotary_percent: float = 1.0  # partial_rotary_factor: rope on the first head_dim * this dims
+    yarn: YarnRope | None = None
+    mtp_layers: int = 0  # multi-token-prediction layers in the checkpoint (skipped)
     hf_names: HFNames = field(default_factory=HFNames)
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
+
+    @property
+    def moe_layer_pattern(self) -> list[int]:
+        """Megatron's `moe_layer_freq` list: 0 = dense MLP layer, 1 = MoE layer."""
+        return [0] * self.moe_first_dense_layers + [1] * (self.num_layers - self.moe_first_dense_layers)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.is_moe and layer >= self.moe_first_dense_layers
 
     def padded_vocab_size(self, tp: int) -> int:
         """Vocabulary rows of the Megatron embedding/output layer: a multiple of tp (and of 128*tp
@@ -67,21 +116,67 @@ class ModelSpec:
         return -(-self.vocab_size // multiple) * multiple
 
 
-def _rope(cfg: dict) -> tuple[float, float | None]:
+def _rope_parameters(cfg: dict) -> tuple[float, str, dict]:
+    """(rope_theta, rope_type, the dict holding the scaling keys): transformers 5 writes
+    `rope_parameters`, older config.json files `rope_theta` plus `rope_scaling`."""
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    source = params if params.get("rope_type") not in (None, "default") else scaling
+    return float(theta), rope_type, source
+
+
+def _rope(cfg: dict) -> tuple[float, float | None]:
+    theta, rope_type, source = _rope_parameters(cfg)
     if rope_type == "default":
-        return float(theta), None
+        return theta, None
     if rope_type == "llama3":
-        source = params if params.get("rope_type") == "llama3" else scaling
         expected = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
         for key, value in expected.items():
             if float(source.get(key, value)) != value:
                 raise UnsupportedModelError(f"llama3 rope scaling with {key}={source[key]} is not supported (only {value})")
-        return float(theta), float(source.get("factor", 8.0))
+        return theta, float(source.get("factor", 8.0))
     raise UnsupportedModelError(f"rope scaling type {rope_type!r} is not supported yet; supported: default, llama3")
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    """transformers' and Megatron-Core's `get_mscale` (the same formula in both)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(source: dict, family: str) -> YarnRope:
+    """transformers' YaRN (`_compute_yarn_parameters`, DeepSeek's `yarn_apply_mscale`) in Megatron's terms.
+
+    transformers scales cos/sin by `attention_factor` (given, or mscale(f, mscale) / mscale(f,
+    mscale_all_dim) when both are set, else mscale(f, 1)) and the softmax by mscale(f, mscale_all_dim)^2
+    (when mscale_all_dim is set). Megatron's MLA always scales cos/sin by mscale(f, mscale) /
+    mscale(f, mscale_all_dim) and the softmax by mscale(f, mscale_all_dim)^2, so mscale_all_dim carries
+    over and `mscale` is chosen to give transformers' attention factor (the same number wherever
+    transformers' own formula applies; solved for, to float64 rounding, where it does not).
+    """
+    if source.get("factor") is None or source.get("original_max_position_embeddings") is None:
+        raise UnsupportedModelError(f"{family}: yarn rope scaling needs 'factor' and 'original_max_position_embeddings'")
+    if source.get("truncate", True) is False:
+        raise UnsupportedModelError(f"{family}: yarn with truncate=false is not supported (Megatron-Core always truncates)")
+    factor = float(source["factor"])
+    mscale, all_dim = source.get("mscale"), float(source.get("mscale_all_dim") or 0.0)
+    attention_factor = source.get("attention_factor")
+    if attention_factor is None and mscale and all_dim:
+        megatron_mscale = float(mscale)
+    elif attention_factor is None and not all_dim:
+        megatron_mscale = 1.0  # mscale(f, 1) / mscale(f, 0) = mscale(f, 1)
+    else:
+        wanted = float(attention_factor) if attention_factor is not None else _yarn_mscale(factor, 1.0)
+        if factor <= 1:
+            if wanted != 1.0:
+                raise UnsupportedModelError(f"{family}: yarn attention_factor={wanted} with factor<=1 is not supported")
+            megatron_mscale = 1.0
+        else:
+            megatron_mscale = (wanted * _yarn_mscale(factor, all_dim) - 1.0) / (0.1 * math.log(factor))
+    return YarnRope(factor=factor, original_max_position_embeddings=int(source["original_max_position_embeddings"]),
+                    beta_fast=float(source.get("beta_fast") or 32), beta_slow=float(source.get("beta_slow") or 1),
+                    mscale=megatron_mscale, mscale_all_dim=all_dim)
 
 
 def _dense_common(cfg: dict, family: str) -> dict:
@@ -155,12 +250,97 @@ def _spec_qwen3_moe(cfg: dict) -> ModelSpec:
     )
 
 
+def _moe_routing(cfg: dict, family: str) -> dict:
+    """DeepSeek-V3-style MoE (also GLM-4.5): sigmoid scores, a score-correction bias that only
+    chooses experts, group-limited top-k, renormalised and scaled weights, shared experts."""
+    experts, topk = cfg["n_routed_experts"], cfg["num_experts_per_tok"]
+    if topk > 1 and not cfg.get("norm_topk_prob", True):
+        raise UnsupportedModelError(f"{family}: norm_topk_prob=false is not supported (Megatron-Core always renormalises "
+                                    f"sigmoid top-k weights)")
+    groups, group_topk = cfg.get("n_group") or 1, cfg.get("topk_group") or 1
+    if groups > 1 and group_topk < groups:
+        if experts % groups:
+            raise UnsupportedModelError(f"{family}: {experts} routed experts do not split into n_group={groups} groups")
+        # transformers scores a group by its two best experts; Megatron-Core by its best
+        # num_experts_per_tok // topk_group (DeepSeek-V3: 8 // 4 = 2, the same).
+        if topk // group_topk != 2:
+            raise UnsupportedModelError(
+                f"{family}: group-limited routing with num_experts_per_tok={topk}, topk_group={group_topk} is not supported: "
+                f"transformers ranks groups by their top-2 expert scores, Megatron-Core by the top "
+                f"num_experts_per_tok // topk_group = {topk // group_topk}; only configs where that is 2 match")
+    else:
+        groups = group_topk = None  # every group is chosen: plain top-k
+    dense = min(cfg.get("first_k_dense_replace") or 0, cfg["num_hidden_layers"])
+    if dense >= cfg["num_hidden_layers"]:
+        raise UnsupportedModelError(f"{family}: first_k_dense_replace={dense} leaves no MoE layer")
+    shared = (cfg.get("n_shared_experts") or 0) * cfg["moe_intermediate_size"]
+    return dict(
+        num_experts=experts,
+        moe_topk=topk,
+        moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+        moe_renormalize_topk=True,
+        moe_score_function="sigmoid",
+        moe_num_groups=groups,
+        moe_group_topk=group_topk,
+        moe_routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        moe_expert_bias=True,
+        moe_shared_ffn_hidden_size=shared or None,
+        moe_first_dense_layers=dense,
+        mtp_layers=int(cfg.get("num_nextn_predict_layers") or cfg.get("num_mtp_layers") or 0),
+    )
+
+
+def _spec_deepseek_v3(cfg: dict) -> ModelSpec:
+    family = "deepseek_v3"
+    if cfg.get("attention_bias"):
+        raise UnsupportedModelError(f"{family}: attention_bias=true is not supported (DeepSeek-V3 and Kimi-K2 have none)")
+    if cfg.get("rope_interleave", True) is False:
+        raise UnsupportedModelError(f"{family}: rope_interleave=false is not supported (Megatron-Core's MLA reads the "
+                                    f"rope dims interleaved, as DeepSeek-V3 checkpoints store them)")
+    # transformers builds the q/kv latent norms with eps 1e-6 whatever rms_norm_eps says; Megatron
+    # uses one epsilon for every norm.
+    if cfg.get("rms_norm_eps", 1e-6) != 1e-6:
+        raise UnsupportedModelError(f"{family}: rms_norm_eps={cfg['rms_norm_eps']} is not supported (only 1e-6: "
+                                    f"transformers' latent norms always use 1e-6)")
+    theta, rope_type, source = _rope_parameters(cfg)
+    if rope_type not in ("default", "yarn"):
+        raise UnsupportedModelError(f"{family}: rope scaling type {rope_type!r} is not supported; supported: default, yarn")
+    plain = dict(cfg, rope_parameters={"rope_theta": theta, "rope_type": "default"}, rope_scaling=None)
+    common = _dense_common(plain, family)
+    mla = MLA(q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"],
+              qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
+              v_head_dim=cfg["v_head_dim"])
+    # MLA has one key/value per query head: transformers' num_key_value_heads must equal the heads
+    # (it repeats keys by heads // num_key_value_heads otherwise, and its forward fails).
+    if common["num_kv_heads"] != common["num_heads"]:
+        raise UnsupportedModelError(f"{family}: num_key_value_heads={common['num_kv_heads']} must equal "
+                                    f"num_attention_heads={common['num_heads']} for multi-latent attention")
+    common.update(head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+    return ModelSpec(**common, attention="mla", mla=mla,
+                     yarn=_yarn(source, family) if rope_type == "yarn" else None, **_moe_routing(cfg, family))
+
+
+def _spec_glm4_moe(cfg: dict) -> ModelSpec:
+    family = "glm4_moe"
+    params = cfg.get("rope_parameters") or {}
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    common = _dense_common(cfg, family)
+    rotary_dims = int(common["head_dim"] * partial)
+    if rotary_dims % 2 or rotary_dims == 0:
+        raise UnsupportedModelError(f"{family}: partial_rotary_factor={partial} of head_dim={common['head_dim']} "
+                                    f"gives {rotary_dims} rotary dims; an even, non-zero number is needed")
+    return ModelSpec(**common, qkv_bias=bool(cfg.get("attention_bias", False)), qk_norm=bool(cfg.get("use_qk_norm", False)),
+                     rotary_percent=partial, **_moe_routing(cfg, family))
+
+
 FAMILIES = {
     "llama": _spec_llama,
     "qwen2": _spec_qwen2,
     "qwen3": _spec_qwen3,
     "mixtral": _spec_mixtral,
     "qwen3_moe": _spec_qwen3_moe,
+    "deepseek_v3": _spec_deepseek_v3,  # also Kimi-K2 (same architecture)
+    "glm4_moe": _spec_glm4_moe,
 }
 
 
@@ -199,6 +379,13 @@ def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1, etp: int | None
             f"{spec.num_kv_heads} key/value heads are not divisible by tp={tp}; "
             f"use a tp that divides {spec.num_kv_heads}"
         )
+    if spec.mla is not None:
+        # Megatron's local MLA splits the down projections' output rows over tp (and gathers them).
+        kv_rows = spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim
+        if kv_rows % tp:
+            raise ValueError(f"kv_lora_rank + qk_rope_head_dim = {kv_rows} is not divisible by tp={tp}")
+        if spec.mla.q_lora_rank is not None and spec.mla.q_lora_rank % tp:
+            raise ValueError(f"q_lora_rank {spec.mla.q_lora_rank} is not divisible by tp={tp}")
     if spec.ffn_hidden_size % tp:
         raise ValueError(f"ffn hidden size {spec.ffn_hidden_size} is not divisible by tp={tp}")
     if not uneven_stages and spec.num_layers % pp:
@@ -209,5 +396,7 @@ def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1, etp: int | None
         etp = tp if etp is None else etp
         if spec.moe_ffn_hidden_size % etp:
             raise ValueError(f"expert ffn hidden size {spec.moe_ffn_hidden_size} is not divisible by etp={etp}")
+        if spec.moe_shared_ffn_hidden_size and spec.moe_shared_ffn_hidden_size % tp:
+            raise ValueError(f"shared-expert ffn hidden size {spec.moe_shared_ffn_hidden_size} is not divisible by tp={tp}")
     elif ep != 1:
         raise ValueError(f"ep={ep} needs a mixture-of-experts model; {spec.family} is dense")

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -20,16 +21,24 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megarl.models.convert import WeightMapping, exported_mappings, read_shard, to_hf, weight_mappings
+from megarl.models.convert import WeightMapping, exported_mappings, mtp_tensor_names, read_shard, to_hf, weight_mappings
 from megarl.models.families import ModelSpec
 from megarl.models.sharding import ShardMeta
 from megarl.parallel import ParallelDims
+
+logger = logging.getLogger(__name__)
 
 # Transformer-Engine layer specs fuse the norms into the following linear layer.
 _TE_TO_LOCAL = (
     (re.compile(r"self_attention\.linear_qkv\.layer_norm_weight$"), "input_layernorm.weight"),
     (re.compile(r"mlp\.linear_fc1\.layer_norm_weight$"), "pre_mlp_layernorm.weight"),
+    # multi-latent attention: the latent norms fuse into the up projections
+    (re.compile(r"self_attention\.linear_q_up_proj\.layer_norm_weight$"), "self_attention.q_layernorm.weight"),
+    (re.compile(r"self_attention\.linear_kv_up_proj\.layer_norm_weight$"), "self_attention.kv_layernorm.weight"),
 )
+# Checkpoint tensors that are module buffers, not parameters: the sigmoid router's score-correction
+# bias (DeepSeek-V3, GLM-4.5), frozen, but loaded, synced to the rollout engine and exported.
+_WEIGHT_BUFFER = re.compile(r"\.mlp\.router\.expert_bias$")
 # A rank's model: one module, or its chunks (one per virtual pipeline stage), wrapped or not.
 Chunks = torch.nn.Module | list[torch.nn.Module]
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -77,14 +86,18 @@ def _is_value_head(model: torch.nn.Module, local: str) -> bool:
 
 def named_global_parameters(model, spec: ModelSpec, dims: ParallelDims) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
     """(global name, local name, parameter) for every HF-mapped parameter of this rank's model
-    chunk(s) (a critic's value head is not an HF weight and is left out). Each chunk numbers its
-    layers from 0; Megatron's offset of the chunk (uneven stages, virtual stages) makes them global."""
+    chunk(s) (a critic's value head is not an HF weight and is left out), then the HF-mapped
+    buffers (the router's expert bias). Each chunk numbers its layers from 0; Megatron's offset of
+    the chunk (uneven stages, virtual stages) makes them global."""
     experts_per_rank = (spec.num_experts // dims.ep) if spec.is_moe else 0
     for chunk in model_chunks(model):
         offset = _layer_offset(chunk)
         for local, param in chunk.named_parameters():
             if not _is_value_head(chunk, local):
                 yield global_name(local, offset, dims.ep_rank * experts_per_rank), local, param
+        for local, buffer in chunk.named_buffers():
+            if _WEIGHT_BUFFER.search(local):
+                yield global_name(local, offset, dims.ep_rank * experts_per_rank), local, buffer
 
 
 def _tp_coords(mapping: WeightMapping, dims: ParallelDims) -> tuple[int, int]:
@@ -160,6 +173,12 @@ def load_hf_weights(model: Chunks, spec: ModelSpec, dims: ParallelDims, model_di
     """Fill this rank's parameters from an HF checkpoint; returns the bytes this rank read."""
     source = SafetensorsDir(model_dir)
     mappings = {m.name: m for m in weight_mappings(spec, dims.tp)}
+    mtp = mtp_tensor_names(spec, source.weight_map)
+    if mtp and dims.rank == 0:
+        layers = sorted({int(n.split(".")[2]) for n in mtp})
+        logger.warning("%s: skipping %d multi-token-prediction layer(s) of the checkpoint (model.layers.%s, %d tensors): "
+                       "megarl trains the causal LM only; they are not loaded and not exported",
+                       model_dir, len(layers), ",".join(map(str, layers)), len(mtp))
     bytes_read = 0
     unmapped = []
     for name, local, param in named_global_parameters(model, spec, dims):
@@ -216,7 +235,7 @@ def export_canonical(model: Chunks, spec: ModelSpec, dims: ParallelDims, mapping
             else:
                 full = shard.detach().clone()
         else:
-            full = torch.empty(mapping.shape, dtype=dtype, device=device)
+            full = torch.empty(mapping.shape, dtype=torch.float32 if mapping.float32 else dtype, device=device)
         if dims.world_size > 1:
             dist.broadcast(full, src=src)
         yield mapping, full

@@ -1,4 +1,4 @@
-"""Megatron-Core on CPU with gloo: the nine seams of Megatron-Core that assume CUDA.
+"""Megatron-Core on CPU with gloo: the ten seams of Megatron-Core that assume CUDA (or Transformer-Engine).
 
 Applied only when no GPU is present (see `megarl.platform.init_platform`); on GPU nothing here
 runs. Each seam is one function below, named after what it covers, so a test can check it on its
@@ -286,6 +286,23 @@ def require_finalize_model_grads(config) -> None:
         config.finalize_model_grads_func = finalize_model_grads
 
 
+# --- seam 10: multi-latent attention without Transformer-Engine --------------------------------------
+
+
+def mla_without_transformer_engine() -> None:
+    """Seam 10: 0.16's multi_latent_attention sets HAVE_TE = True whenever Megatron's TE extension
+    module imports, which it does without TE (its classes are then MagicMock stand-ins), and
+    `isinstance(linear_proj, TELinear)` raises TypeError when the MLA layer is built. Tell it the
+    truth. Applied where the MLA layer spec is built (`megarl.models.builder.layer_spec`), on
+    every platform without TE (a GPU image without TE hits it too); a no-op where the module
+    already knows (0.19 imports HAVE_TE from the extension)."""
+    from megatron.core.extensions import transformer_engine as te_extension
+    from megatron.core.transformer import multi_latent_attention
+
+    if multi_latent_attention.HAVE_TE and not getattr(te_extension, "HAVE_TE", True):
+        multi_latent_attention.HAVE_TE = False
+
+
 # --- seam 9: tensor type names in the optimizers -----------------------------------------------------
 
 _CUDA_TYPE_NAMES = {
@@ -332,7 +349,7 @@ SEAMS = (
     Seam(install_cpu_grad_clip),
     # seam 7 (token dispatcher) and seam 8 (finalize_model_grads) are applied where the
     # TransformerConfig is built: megarl.models.builder calls cpu_moe_token_dispatcher and
-    # require_finalize_model_grads. Both are needed by every supported release (0.19 still
+    # require_finalize_model_grads; seam 10 (MLA without TE) where the layer spec is built. Both are needed by every supported release (0.19 still
     # defaults finalize_model_grads_func to None, and gloo still rejects the alltoall splits).
     Seam(answer_cuda_type_names),
 )

@@ -40,6 +40,9 @@ class HFRolloutEngine:
         pad = getattr(model.config, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else 0
         self._params = dict(model.named_parameters(remove_duplicate=False))
+        # checkpoint tensors that are buffers: DeepSeek-V3 / GLM-4.5's score-correction bias, which
+        # decides routes and must be the actor's (a frozen weight, synced like the others)
+        self._params.update((n, b) for n, b in model.named_buffers() if n.endswith(".e_score_correction_bias"))
         self._released = False
         # MoE routing replay: set True to return each sample's experts (RolloutResult.routed_experts)
         self.record_routes = False

@@ -1,6 +1,8 @@
 """Write a tiny random-initialised Hugging Face model directory (config, weights, tokenizer).
 
     python -m megarl.tools.make_tiny_model --arch qwen2 --out /tmp/tiny-qwen2 [--seed 0]
+    python -m megarl.tools.make_tiny_model --arch deepseek_v3 --out /tmp/tiny-dsv3 [--q-lora-rank 0] [--groups 2]
+    python -m megarl.tools.make_tiny_model --arch glm4_moe --out /tmp/tiny-glm [--mtp-layers 1]
 
 Tests and the CPU demo build every model they use with this tool: nothing is downloaded from a
 model hub. The result loads with `transformers.AutoModelForCausalLM` and `AutoTokenizer`.
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe")
 DIGITS_ALPHABET = list("0123456789+-*=;:?# ")
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
@@ -99,7 +101,70 @@ def build_config(arch: str, vocab_size: int, args: argparse.Namespace):
             moe_intermediate_size=args.intermediate // 2,
             norm_topk_prob=True,
         )
+    if arch in ("deepseek_v3", "glm4_moe"):
+        if args.experts % args.groups or args.experts // args.groups < 2:
+            raise ValueError(f"--experts {args.experts} must split into --groups {args.groups} groups of at least 2 experts")
+        if args.dense_layers >= args.layers:
+            raise ValueError(f"--dense-layers {args.dense_layers} must be smaller than --layers {args.layers}")
+        moe = dict(
+            n_routed_experts=args.experts,
+            num_experts_per_tok=args.topk,
+            moe_intermediate_size=args.intermediate // 2,
+            n_shared_experts=1,
+            n_group=args.groups,
+            topk_group=args.topk_group,
+            first_k_dense_replace=args.dense_layers,
+            routed_scaling_factor=2.5,  # not 1: a dropped scaling shows in the parity tests
+            norm_topk_prob=True,
+            num_nextn_predict_layers=args.mtp_layers,
+        )
+    if arch == "deepseek_v3":
+        common["num_key_value_heads"] = args.heads  # MLA: one key/value per query head
+        common.pop("head_dim", None)
+        rope = {"rope_type": "default", "rope_theta": 10000.0}
+        if args.yarn_factor:
+            # DeepSeek-V3's own yarn settings, scaled down: a longer context than "pretraining" had
+            rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": args.yarn_factor, "beta_fast": 32, "beta_slow": 1,
+                    "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": args.max_positions // 4}
+        return transformers.DeepseekV3Config(
+            **common, **moe,
+            q_lora_rank=args.q_lora_rank or None,
+            kv_lora_rank=args.kv_lora_rank,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=20,  # != the q/k head size 16 + 8: MLA's separate k/v head sizes
+            rope_parameters=rope,
+        )
+    if arch == "glm4_moe":
+        return transformers.Glm4MoeConfig(
+            **common, **moe,
+            attention_bias=True,
+            use_qk_norm=args.qk_norm,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        )
     raise ValueError(f"unknown --arch {arch!r}; supported: {', '.join(ARCHS)}")
+
+
+def _add_mtp_layers(out: Path, num_layers: int, count: int) -> None:
+    """Append multi-token-prediction layers as DeepSeek-V3 / GLM-4.5 checkpoints carry them
+    (`model.layers.{num_layers + i}`: a decoder layer plus enorm, hnorm, eh_proj, shared_head);
+    transformers does not build them, megarl skips them on load."""
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"
+    tensors = load_file(path)
+    last = f"model.layers.{num_layers - 1}."
+    gen = torch.Generator().manual_seed(num_layers)
+    for i in range(count):
+        prefix = f"model.layers.{num_layers + i}."
+        for name, t in list(tensors.items()):
+            if name.startswith(last):
+                tensors[prefix + name[len(last):]] = torch.randn(t.shape, generator=gen).to(t.dtype)
+        h = tensors["model.norm.weight"].shape[0]
+        for extra, shape in (("enorm.weight", (h,)), ("hnorm.weight", (h,)), ("eh_proj.weight", (h, 2 * h)),
+                             ("shared_head.norm.weight", (h,))):
+            tensors[prefix + extra] = torch.randn(shape, generator=gen)
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def make_tiny_model(arch: str, out: str | Path, seed: int = 0, **overrides) -> Path:
@@ -131,7 +196,12 @@ def _make(args: argparse.Namespace) -> Path:
             p.normal_(0.0, args.init_std)
             if "norm" in name:
                 p.add_(1.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a zero bias would not show a dropped one
+                b.normal_(0.0, 0.5)  # the scale of sigmoid scores: it changes many choices
     model.save_pretrained(out)
+    if args.mtp_layers:
+        _add_mtp_layers(out, config.num_hidden_layers, args.mtp_layers)
     (out / "megarl_tiny.json").write_text(json.dumps(vars(args), indent=1, default=str))
     return out
 
@@ -155,6 +225,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-positions", type=int, default=512)
     p.add_argument("--tie", action="store_true", help="tie input and output embeddings")
     p.add_argument("--init-std", type=float, default=0.1)
+    moe = p.add_argument_group("deepseek_v3 / glm4_moe")
+    moe.add_argument("--q-lora-rank", type=int, default=32, help="deepseek_v3: 0 = no q compression (q_lora_rank null)")
+    moe.add_argument("--kv-lora-rank", type=int, default=32)
+    moe.add_argument("--yarn-factor", type=float, default=None, help="deepseek_v3: YaRN rope scaling with this factor")
+    moe.add_argument("--groups", type=int, default=2, help="n_group: expert groups for group-limited routing")
+    moe.add_argument("--topk-group", type=int, default=1, help="topk_group: groups each token may use")
+    moe.add_argument("--dense-layers", type=int, default=1, help="first_k_dense_replace")
+    moe.add_argument("--mtp-layers", type=int, default=0, help="multi-token-prediction layers to append to the checkpoint")
+    moe.add_argument("--qk-norm", action=argparse.BooleanOptionalAction, default=True, help="glm4_moe: use_qk_norm")
     return p
 
 

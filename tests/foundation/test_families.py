@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import FAMILIES, REPO, torchrun
+from conftest import FAMILIES, FAMILIES_671B, REPO, torchrun
 from megarl.models.families import FAMILIES as SUPPORTED, UnsupportedModelError, check_layout, load_spec, spec_from_hf_config
 
 LLAMA_CONFIG = dict(
@@ -26,7 +26,7 @@ LLAMA_CONFIG = dict(
 
 
 def test_every_tiny_family_is_supported(tiny_models):
-    assert set(FAMILIES) == set(SUPPORTED)
+    assert set(FAMILIES) | set(FAMILIES_671B) == set(SUPPORTED)
     for arch in FAMILIES:
         spec = load_spec(tiny_models[arch])
         assert spec.family == arch
@@ -130,7 +130,7 @@ def test_unknown_model_type_lists_supported_families(tmp_path):
         load_spec(tmp_path)
     message = str(err.value)
     assert "'gpt2'" in message and "GPT2LMHeadModel" in message
-    assert "supported families: llama, qwen2, qwen3, mixtral, qwen3_moe" in message
+    assert "supported families: llama, qwen2, qwen3, mixtral, qwen3_moe, deepseek_v3, glm4_moe" in message
     assert isinstance(err.value, ValueError)
 
 
@@ -318,3 +318,186 @@ def test_read_jsonl_ids_reads_lists(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text('{"input_ids": [4, 5, 6]}\n\n{"input_ids": [0, 300], "note": "extra keys are fine"}\n')
     assert read_jsonl_ids(str(src), vocab_size=301) == [[4, 5, 6], [0, 300]]
+
+
+# --- DeepSeek-V3 / Kimi-K2 and GLM-4.5 (issue 14) ------------------------------------------------------
+
+DSV3_CONFIG = dict(
+    LLAMA_CONFIG, model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], num_key_value_heads=4,
+    rms_norm_eps=1e-6, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=20,
+    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2, n_group=2, topk_group=1,
+    first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, num_nextn_predict_layers=1,
+)
+
+
+def test_deepseek_v3_and_glm4_moe_specs(tiny_moe_671b_models):
+    from transformers import AutoConfig
+
+    for name, path in tiny_moe_671b_models.items():
+        spec, cfg = load_spec(path), AutoConfig.from_pretrained(path)
+        assert spec.family == cfg.model_type and spec.architecture == cfg.architectures[0]
+        assert (spec.num_experts, spec.moe_topk, spec.moe_ffn_hidden_size) == (8, cfg.num_experts_per_tok, 64)
+        assert spec.moe_score_function == "sigmoid" and spec.moe_expert_bias and spec.moe_renormalize_topk
+        assert spec.moe_routed_scaling_factor == 2.5 and spec.moe_shared_ffn_hidden_size == 64
+        assert spec.moe_first_dense_layers == 1 and spec.moe_layer_pattern == [0, 1, 1, 1]
+        assert [spec.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
+        # one group, or every group chosen, is plain top-k; else Megatron's group-limited routing
+        groups = None if cfg.n_group == 1 else (cfg.n_group, cfg.topk_group)
+        assert (None if spec.moe_num_groups is None else (spec.moe_num_groups, spec.moe_group_topk)) == groups
+        assert spec.tie_embeddings == name.endswith("_tied")
+        assert spec.mtp_layers == cfg.num_nextn_predict_layers
+    dsv3, noq = load_spec(tiny_moe_671b_models["deepseek_v3"]), load_spec(tiny_moe_671b_models["deepseek_v3_noq_tied"])
+    assert dsv3.attention == "mla" and dsv3.mla.q_lora_rank == 32 and noq.mla.q_lora_rank is None
+    assert (dsv3.mla.kv_lora_rank, dsv3.mla.qk_nope_head_dim, dsv3.mla.qk_rope_head_dim, dsv3.mla.v_head_dim) == (32, 16, 8, 20)
+    assert dsv3.yarn is not None and dsv3.yarn.factor == 4.0 and noq.yarn is None
+    glm, glm_tied = load_spec(tiny_moe_671b_models["glm4_moe"]), load_spec(tiny_moe_671b_models["glm4_moe_tied"])
+    assert glm.attention == "gqa" and glm.rotary_percent == 0.5 and glm.qkv_bias
+    assert glm.qk_norm and not glm_tied.qk_norm
+
+
+# transformers' YaRN (rope_parameters as in config.json) -> what the cos/sin and the softmax get
+YARN_CASES = [
+    dict(factor=40.0, mscale=1.0, mscale_all_dim=1.0),  # DeepSeek-V3 / Kimi-K2
+    dict(factor=40.0, mscale=0.707, mscale_all_dim=0.707),
+    dict(factor=8.0),  # neither mscale: attention factor 0.1 ln f + 1, softmax unscaled
+    dict(factor=8.0, mscale=0.5),  # mscale alone is ignored by transformers
+    dict(factor=8.0, mscale_all_dim=1.0),  # softmax scaled, cos/sin by 0.1 ln f + 1
+    dict(factor=16.0, attention_factor=1.3, mscale=1.0, mscale_all_dim=0.8),  # explicit factor wins
+    dict(factor=4.0, beta_fast=16, beta_slow=2, mscale=1.0, mscale_all_dim=1.0),
+]
+
+
+@pytest.mark.parametrize("yarn", YARN_CASES)
+def test_yarn_matches_transformers(yarn):
+    """The inverse frequencies, the cos/sin factor and the softmax scale Megatron-Core's MLA gets
+    from our spec equal the ones transformers computes for the same config.json."""
+    import math
+
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+        YarnRotaryEmbedding,
+        _yarn_get_concentration_factor,
+        _yarn_get_mscale,
+    )
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    from megarl.platform import current_platform
+
+    current_platform()  # on CPU, the seams: YarnRotaryEmbedding moves its tensors to current_device()
+    rope = dict(rope_type="yarn", rope_theta=10000.0, original_max_position_embeddings=64, **yarn)
+    cfg = dict(DSV3_CONFIG, max_position_embeddings=2560, rope_parameters=rope)
+    hf_config = DeepseekV3Config(**{k: v for k, v in cfg.items() if k not in ("model_type", "architectures")})
+    hf_inv_freq, hf_attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config)
+    q_head_dim = 16 + 8
+    hf_softmax_scale = yarn_apply_mscale(hf_config.rope_parameters, q_head_dim ** -0.5)
+
+    y = spec_from_hf_config(cfg).yarn
+    megatron = YarnRotaryEmbedding(8, rotary_base=10000.0, use_cpu_initialization=True, scaling_factor=y.factor,
+                                   original_max_position_embeddings=y.original_max_position_embeddings,
+                                   beta_fast=y.beta_fast, beta_slow=y.beta_slow, mscale=y.mscale, mscale_all_dim=y.mscale_all_dim)
+    emb, concentration = megatron.get_emb(2)
+    assert torch.equal(emb[1, 0, 0, :4], hf_inv_freq)  # position 1: the inverse frequencies themselves
+    assert concentration == pytest.approx(hf_attention_factor, rel=1e-12)
+    assert concentration == _yarn_get_concentration_factor(y.factor, y.mscale, y.mscale_all_dim)
+    # MultiLatentAttention.__init__: mscale(factor, mscale_all_dim)^2 / sqrt(q_head_dim)
+    megatron_softmax_scale = _yarn_get_mscale(y.factor, y.mscale_all_dim) ** 2 / math.sqrt(q_head_dim)
+    assert megatron_softmax_scale == pytest.approx(hf_softmax_scale, rel=1e-12)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(norm_topk_prob=False), "norm_topk_prob=false is not supported"),
+    (dict(n_group=4, topk_group=2, num_experts_per_tok=2), r"top num_experts_per_tok // topk_group = 1; only configs where that is 2"),
+    (dict(n_group=3), "8 routed experts do not split into n_group=3 groups"),
+    (dict(first_k_dense_replace=2), "first_k_dense_replace=2 leaves no MoE layer"),
+    (dict(rope_interleave=False), "rope_interleave=false is not supported"),
+    (dict(attention_bias=True), "attention_bias=true is not supported"),
+    (dict(num_key_value_heads=2), "num_key_value_heads=2 must equal num_attention_heads=4"),
+    (dict(rms_norm_eps=1e-5), r"rms_norm_eps=1e-05 is not supported \(only 1e-6"),
+    (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=64,
+                               truncate=False)), "yarn with truncate=false is not supported"),
+    (dict(rope_parameters=dict(rope_type="linear", rope_theta=1e4, factor=4.0)), "rope scaling type 'linear' is not supported"),
+])
+def test_deepseek_v3_configs_megarl_cannot_match_are_refused(change, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        spec_from_hf_config(dict(DSV3_CONFIG, **change))
+
+
+def test_deepseek_v3_spec_from_config_json():
+    spec = spec_from_hf_config(DSV3_CONFIG)
+    assert spec.moe_shared_ffn_hidden_size == 2 * 32  # n_shared_experts * moe_intermediate_size
+    assert spec.head_dim == 16 + 8 and spec.num_kv_heads == 4
+    # an older config.json: rope_theta and rope_scaling {"type": "yarn"} (DeepSeek-V3's own file)
+    old = dict(DSV3_CONFIG, rope_theta=5e4, rope_scaling=dict(type="yarn", factor=40, mscale=1.0, mscale_all_dim=1.0,
+                                                               original_max_position_embeddings=4096, beta_fast=32, beta_slow=1))
+    spec = spec_from_hf_config(old)
+    assert spec.rope_theta == 5e4 and spec.yarn.factor == 40 and spec.yarn.mscale == 1.0 == spec.yarn.mscale_all_dim
+    # all groups chosen (topk_group == n_group) is plain top-k
+    assert spec_from_hf_config(dict(DSV3_CONFIG, n_group=4, topk_group=4)).moe_num_groups is None
+
+
+def test_glm4_moe_partial_rotary_must_give_even_dims():
+    glm = dict(DSV3_CONFIG, model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], head_dim=16,
+               rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5))
+    assert spec_from_hf_config(glm).rotary_percent == 0.5
+    glm["rope_parameters"] = dict(glm["rope_parameters"], partial_rotary_factor=0.3)
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor=0.3 of head_dim=10 gives 3 rotary dims"):
+        spec_from_hf_config(dict(glm, head_dim=10))
+
+
+def test_check_layout_mla(tiny_moe_671b_models):
+    spec = load_spec(tiny_moe_671b_models["deepseek_v3"])
+    check_layout(spec, tp=2, pp=2, ep=2)
+    with pytest.raises(ValueError, match=r"kv_lora_rank \+ qk_rope_head_dim = 41 is not divisible by tp=2"):
+        check_layout(dataclasses.replace(spec, mla=dataclasses.replace(spec.mla, kv_lora_rank=33)), tp=2, pp=1)
+    with pytest.raises(ValueError, match="q_lora_rank 30 is not divisible by tp=4"):
+        check_layout(dataclasses.replace(spec, mla=dataclasses.replace(spec.mla, q_lora_rank=30)), tp=4, pp=1)
+
+
+# DeepSeek-V3's and GLM-4.5's published config.json (the keys megarl reads, values as released)
+DEEPSEEK_V3_RELEASED = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+    "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8,
+    "topk_group": 4, "num_experts_per_tok": 8, "moe_layer_freq": 1, "first_k_dense_replace": 3, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-06,
+    "rope_theta": 10000, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                          "original_max_position_embeddings": 4096, "type": "yarn"},
+    "tie_word_embeddings": False, "vocab_size": 129280, "num_nextn_predict_layers": 1, "attention_bias": False,
+}
+GLM45_RELEASED = {
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 5120, "intermediate_size": 12288,
+    "moe_intermediate_size": 1536, "num_hidden_layers": 92, "num_attention_heads": 96, "num_key_value_heads": 8,
+    "head_dim": 128, "partial_rotary_factor": 0.5, "attention_bias": True, "use_qk_norm": True, "n_routed_experts": 160,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 3, "norm_topk_prob": True, "num_nextn_predict_layers": 1, "vocab_size": 151552,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 1000000, "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}
+
+
+def test_released_configs_build_megatron_configs_at_published_layouts():
+    """The real config.json files load, and Megatron-Core accepts the TransformerConfig megarl builds
+    from them at the recipes' layouts (NeMo-RL's DeepSeek-V3 TP1 PP16 EP16 with 3 / 2 end stages,
+    verl's TP8 PP12 EP8; Megatron-Bridge's GLM-4.5 TP2 PP8 EP16 ETP1 with uneven ends)."""
+    from megarl.models.builder import build_transformer_config
+    from megarl.parallel import ParallelDims
+
+    dsv3 = spec_from_hf_config(DEEPSEEK_V3_RELEASED)
+    assert (dsv3.moe_num_groups, dsv3.moe_group_topk, dsv3.moe_routed_scaling_factor) == (8, 4, 2.5)
+    assert dsv3.yarn == dataclasses.replace(dsv3.yarn, factor=40.0, mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1,
+                                            original_max_position_embeddings=4096)
+    assert dsv3.mla.q_lora_rank == 1536 and dsv3.moe_first_dense_layers == 3 and dsv3.mtp_layers == 1
+    for dims in (ParallelDims(world_size=256, pp=16, ep=16, first_stage_layers=3, last_stage_layers=2),
+                 ParallelDims(world_size=768, tp=8, pp=12, ep=8, last_stage_layers=6)):
+        config = build_transformer_config(dsv3, dims)
+        assert type(config).__name__ == "MLATransformerConfig" and config.rope_type == "yarn"
+        assert (config.moe_router_num_groups, config.moe_router_group_topk, config.moe_router_score_function) == (8, 4, "sigmoid")
+        assert config.moe_layer_freq == [0] * 3 + [1] * 58 and config.moe_shared_expert_intermediate_size == 2048
+        assert config.moe_router_enable_expert_bias and config.moe_router_bias_update_rate == 0.0
+    glm = spec_from_hf_config(GLM45_RELEASED)
+    assert glm.rotary_percent == 0.5 and glm.qk_norm and glm.qkv_bias and glm.moe_num_groups is None
+    config = build_transformer_config(glm, ParallelDims(world_size=256, tp=2, pp=8, ep=16, etp=1, first_stage_layers=11,
+                                                       last_stage_layers=9))
+    assert config.moe_layer_freq == [0] * 3 + [1] * 89 and config.moe_router_topk_scaling_factor == 2.5
