@@ -107,7 +107,7 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 # layers, the first dense, so that uneven and virtual pipeline stages have layers to split.
 TINY_671B = {
     "deepseek_v3": ("deepseek_v3", dict(experts=8, groups=2, topk_group=1, topk=2, yarn_factor=4.0, mtp_layers=1)),
-    "deepseek_v3_noq_tied": ("deepseek_v3", dict(q_lora_rank=0, experts=8, groups=4, topk_group=2, topk=4, tie=True)),
+    "deepseek_v3_noq_tied": ("deepseek_v3", dict(q_lora_rank=0, experts=8, groups=4, topk_group=2, topk=3, tie=True)),  # topk / topk_group != 2
     "glm4_moe": ("glm4_moe", dict(experts=8, groups=1, topk=2, mtp_layers=1)),
     "glm4_moe_tied": ("glm4_moe", dict(experts=8, groups=2, topk_group=1, topk=2, qk_norm=False, tie=True)),
 }

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from megarl.models.families import ModelSpec, check_layout
-from megarl.models.moe_routing import RouterOptions, router_config
+from megarl.models.moe_routing import RouterOptions, router_config, use_hf_group_limited_topk
 from megarl.parallel import ParallelDims
 from megarl.platform import current_platform
 
@@ -134,6 +134,8 @@ def _deepseek_moe(spec: ModelSpec) -> dict:
     dense first layers (DeepSeek-V3, GLM-4.5); nothing for softmax-routed families."""
     if spec.moe_score_function != "sigmoid":
         return {}
+    if spec.moe_num_groups:
+        use_hf_group_limited_topk()  # transformers' group scores (top-2 sum), not Megatron's top-(k / groups)
     return dict(
         moe_router_score_function="sigmoid",
         moe_router_num_groups=spec.moe_num_groups,

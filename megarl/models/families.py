@@ -261,13 +261,10 @@ def _moe_routing(cfg: dict, family: str) -> dict:
     if groups > 1 and group_topk < groups:
         if experts % groups:
             raise UnsupportedModelError(f"{family}: {experts} routed experts do not split into n_group={groups} groups")
-        # transformers scores a group by its two best experts; Megatron-Core by its best
-        # num_experts_per_tok // topk_group (DeepSeek-V3: 8 // 4 = 2, the same).
-        if topk // group_topk != 2:
-            raise UnsupportedModelError(
-                f"{family}: group-limited routing with num_experts_per_tok={topk}, topk_group={group_topk} is not supported: "
-                f"transformers ranks groups by their top-2 expert scores, Megatron-Core by the top "
-                f"num_experts_per_tok // topk_group = {topk // group_topk}; only configs where that is 2 match")
+        if topk > group_topk * (experts // groups):
+            raise UnsupportedModelError(f"{family}: num_experts_per_tok={topk} is more than the {group_topk} chosen groups "
+                                        f"(topk_group) x {experts // groups} experts per group hold")
+        # Groups are ranked by their two best experts, as transformers does (megarl.models.moe_routing).
     else:
         groups = group_topk = None  # every group is chosen: plain top-k
     dense = min(cfg.get("first_k_dense_replace") or 0, cfg["num_hidden_layers"])

@@ -166,6 +166,36 @@ def has_replay(model: torch.nn.Module) -> bool:
     return bool(_find(model, _REPLAYS))
 
 
+# --- transformers' group-limited top-k ----------------------------------------------------------
+
+
+def hf_group_limited_topk(scores: torch.Tensor, topk: int, num_tokens: int, num_experts: int, num_groups: int,
+                          group_topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-limited top-k as DeepSeek-V3 and GLM-4.5 define it in transformers: a group's score is
+    the sum of its two best experts' scores. Megatron-Core sums the best
+    `topk // group_topk` instead, which is the same only when that is 2 (DeepSeek-V3's 8 / 4);
+    a checkpoint with, say, 4 experts from 1 of 2 groups would route differently."""
+    grouped = scores.view(num_tokens, num_groups, -1)
+    group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(num_tokens, num_groups, num_experts // num_groups).reshape(num_tokens, -1)
+    masked = scores.masked_fill(~score_mask.bool(), float("-inf"))
+    return torch.topk(masked, k=topk, dim=-1)
+
+
+def use_hf_group_limited_topk() -> None:
+    """Make Megatron-Core's routers rank expert groups as transformers does (`hf_group_limited_topk`).
+
+    Process-wide: `topk_routing_with_score_function` looks `group_limited_topk` up in its module at
+    every call (0.16 to 0.19), so replacing it there reaches every router, replayed ones included
+    (replay falls back to it for unrecorded tokens). megarl only builds models from Hugging Face
+    checkpoints, whose routing transformers defines, so no router of the process wants the other rule."""
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.group_limited_topk = hf_group_limited_topk
+
+
 # --- routes of a micro-batch --------------------------------------------------------------------
 
 
@@ -338,4 +368,4 @@ def check_routing_options(options: RouterOptions, is_moe: bool, family: str) -> 
 
 
 __all__ = ["RouterOptions", "router_config", "prepare", "replaying", "has_replay", "attach_routes",
-           "micro_batch_routes", "HFRouteRecorder", "hf_routers", "aux_loss_metric", "ROUTES"]
+           "micro_batch_routes", "use_hf_group_limited_topk", "HFRouteRecorder", "hf_routers", "aux_loss_metric", "ROUTES"]

@@ -407,7 +407,7 @@ def test_yarn_matches_transformers(yarn):
 
 @pytest.mark.parametrize("change, message", [
     (dict(norm_topk_prob=False), "norm_topk_prob=false is not supported"),
-    (dict(n_group=4, topk_group=2, num_experts_per_tok=2), r"top num_experts_per_tok // topk_group = 1; only configs where that is 2"),
+    (dict(n_group=4, topk_group=1, num_experts_per_tok=4), r"num_experts_per_tok=4 is more than the 1 chosen groups"),
     (dict(n_group=3), "8 routed experts do not split into n_group=3 groups"),
     (dict(first_k_dense_replace=2), "first_k_dense_replace=2 leaves no MoE layer"),
     (dict(rope_interleave=False), "rope_interleave=false is not supported"),
@@ -501,3 +501,37 @@ def test_released_configs_build_megatron_configs_at_published_layouts():
     config = build_transformer_config(glm, ParallelDims(world_size=256, tp=2, pp=8, ep=16, etp=1, first_stage_layers=11,
                                                        last_stage_layers=9))
     assert config.moe_layer_freq == [0] * 3 + [1] * 89 and config.moe_router_topk_scaling_factor == 2.5
+
+
+@pytest.mark.parametrize("experts, groups, topk_group, topk", [
+    (8, 2, 1, 2),    # DeepSeek-V3's ratio: top-k / topk_group = 2, where Megatron's own rule agrees
+    (8, 4, 2, 2),    # ratio 1: Megatron alone would rank groups by their single best expert
+    (8, 2, 1, 4),    # ratio 4
+    (16, 4, 3, 3),
+    (256, 8, 4, 8),  # DeepSeek-V3 / Kimi-K2 sizes
+])
+def test_group_limited_routing_matches_transformers(experts, groups, topk_group, topk):
+    """Megatron's router (with megarl's group scoring) picks the experts and weights transformers'
+    DeepseekV3TopkRouter picks, for group ratios Megatron's own rule gets wrong."""
+    from megatron.core.transformer.moe import moe_utils
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    from megarl.models.moe_routing import use_hf_group_limited_topk
+
+    use_hf_group_limited_topk()
+    cfg = DeepseekV3Config(hidden_size=16, n_routed_experts=experts, num_experts_per_tok=topk, n_group=groups,
+                           topk_group=topk_group, routed_scaling_factor=2.5, norm_topk_prob=True)
+    router = DeepseekV3TopkRouter(cfg)
+    gen = torch.Generator().manual_seed(experts * 100 + groups * 10 + topk)
+    router.weight.data = torch.randn(experts, 16, generator=gen)
+    router.e_score_correction_bias.data = 0.3 * torch.randn(experts, generator=gen)
+    hidden = torch.randn(64, 16, generator=gen)
+    logits, hf_weights, hf_indices = router(hidden)
+    probs, routing_map = moe_utils.topk_routing_with_score_function(
+        logits, topk, num_groups=groups, group_topk=topk_group, scaling_factor=2.5, score_function="sigmoid",
+        expert_bias=router.e_score_correction_bias)
+    hf_map = torch.zeros_like(routing_map).scatter_(1, hf_indices, True)
+    assert torch.equal(routing_map, hf_map)
+    hf_probs = torch.zeros_like(probs).scatter_(1, hf_indices, hf_weights)
+    torch.testing.assert_close(probs, hf_probs, rtol=1e-6, atol=1e-7)
