@@ -45,9 +45,11 @@ def check_model_layout(cfg: Config) -> None:
     from megarl.plan.arch import arch_from_config, load_config, stage_layers
 
     path = os.path.join(cfg.model.path, "config.json")
-    if not os.path.isfile(path):
-        return
     p = cfg.parallel
+    if not os.path.isfile(path):
+        if cfg.model.make_tiny.enable and cfg.model.make_tiny.arch in TINY_MOE_ARCHS:
+            check_moe_tensor_parallel(p.tp, f"a tiny {cfg.model.make_tiny.arch} (model.make_tiny)")
+        return
     try:
         arch = arch_from_config(load_config(path))
     except ValueError:
@@ -61,6 +63,8 @@ def check_model_layout(cfg: Config) -> None:
     for count, size, what, key in checks:
         if count % size:
             raise ConfigError(f"{key} = {size} does not divide the model's {count} {what} ({cfg.model.path})")
+    if arch.experts:
+        check_moe_tensor_parallel(p.tp, f"{cfg.model.path} (a {arch.model_type} mixture-of-experts model)")
     if p.vpp and p.vpp > 1 and arch.tie_embeddings:
         raise ConfigError(f"parallel.vpp = {p.vpp} with a model whose embeddings are tied ({cfg.model.path}): Megatron-Core's "
                           f"optimizer checkpoint does not restore this combination correctly; use parallel.vpp=null")
@@ -68,6 +72,21 @@ def check_model_layout(cfg: Config) -> None:
         stage_layers(arch.num_layers, p.pp, p.first_stage_layers, p.last_stage_layers, p.vpp)
     except ValueError as err:
         raise ConfigError(f"parallel.pp / first_stage_layers / last_stage_layers / vpp: {err} ({cfg.model.path})") from None
+
+
+TINY_MOE_ARCHS = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe")
+
+
+def check_moe_tensor_parallel(tp: int, model: str) -> None:
+    """MoE training at parallel.tp > 1 is refused: Megatron-Core's MoE layer supports it only with
+    sequence parallelism, which megarl does not have. Without it every TP rank holds the whole
+    sequence and the token dispatcher gathers it once per TP rank, so each expert sees every token
+    tp times and its gradient comes out tp times too large (measured: tests/moe); Megatron-Core
+    refuses the combination in training. Forward-only tools (megarl.tools.logprobs) may use tp > 1."""
+    if tp > 1:
+        raise ConfigError(f"parallel.tp = {tp} with {model}: MoE training needs sequence parallelism at tp > 1, "
+                          f"which megarl does not have; use parallel.tp=1 and split the model with parallel.ep / "
+                          f"parallel.etp / parallel.pp")
 
 
 def check_data_files(cfg: Config, overrides=()) -> None:

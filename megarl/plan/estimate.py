@@ -404,13 +404,14 @@ def balanced_split(num_layers: int, pp: int) -> tuple[int | None, int | None] | 
 
 
 def search(arch: Arch, run: RunShape, cl: Cluster, top: int = 5, base: Layout | None = None) -> list[dict]:
-    """Layouts that fit, fastest estimated step first: tp (powers of 2 within a node), pp up to
-    32 (uneven end stages when the layers do not divide), ep (MoE, etp 1), rollout tp (powers of
+    """Layouts that fit, fastest estimated step first: tp (powers of 2 within a node; 1 for MoE,
+    whose training megarl refuses at tp > 1: megarl.config.inputs.check_moe_tensor_parallel), pp up
+    to 32 (uneven end stages when the layers do not divide), ep (MoE, etp 1), rollout tp (powers of
     2 up to 64); cp stays as given."""
     base = base or Layout()
     found = []
     pow2 = [2**i for i in range(12)]
-    for tp in [t for t in pow2 if t <= cl.gpus_per_node]:
+    for tp in [1] if arch.is_moe else [t for t in pow2 if t <= cl.gpus_per_node]:
         for pp in range(1, min(arch.num_layers, 32) + 1):
             split = balanced_split(arch.num_layers, pp)
             if split is None or cl.gpus % (tp * pp * base.cp):
