@@ -56,6 +56,13 @@ from megarl.samples import RolloutBatch, Sample, to_rollout_batch
 from megarl.step_metrics import local_stats, step_metrics
 
 
+def stop_token_ids(rollout, eos_token_id: int | None) -> tuple[int, ...]:
+    """The tokens that end a response in every engine (each stops on exactly these, eos included
+    only through this list): rollout.stop_token_ids, then eos unless rollout.ignore_eos."""
+    eos = () if rollout.ignore_eos or eos_token_id is None else (eos_token_id,)
+    return tuple(rollout.stop_token_ids) + eos
+
+
 def engine_config(cfg: Config, role: str, total_steps: int) -> EngineConfig:
     """The Megatron engine settings of one role (actor / critic / ref) from the run config."""
     if role == "ref":
@@ -147,7 +154,7 @@ class Trainer:
                                    rollout=setup.weight_layout, bucket_bytes=r.bucket_bytes, convert=setup.convert)
         self.dispatch = DispatchGroups(mp_group=dims.mp_group, mp_rank=dist.get_rank(dims.mp_group), mp_size=dist.get_world_size(dims.mp_group),
                                        rollout_group=groups.group, rollout_rank=groups.rank, rollout_size=groups.size)
-        stop = tuple(r.stop_token_ids) + ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())
+        stop = stop_token_ids(r, self.tokenizer.eos_token_id)
         for key, ids in (("rollout.stop_token_ids", stop), ("rollout.banned_token_ids", r.banned_token_ids)):
             check_token_ids(key, ids, self.actor.spec.vocab_size)
         self.data.check_vocab(self.actor.spec.vocab_size)

@@ -109,7 +109,9 @@ class RolloutConfig:
     top_p: float = knob(1.0, "nucleus sampling mass", gt=0, le=1)
     top_k: int = knob(-1, "top-k sampling; -1 = off", ge=-1)
     max_new_tokens: int = knob(512, "response length limit, tokens", ge=1)
-    stop_token_ids: list[int] = knob([], "extra token ids that end a response (eos always does)")
+    stop_token_ids: list[int] = knob([], "extra token ids that end a response (eos does too, unless rollout.ignore_eos)")
+    ignore_eos: bool = knob(False, "eos does not end a response: each runs to max_new_tokens or a rollout.stop_token_ids "
+                                   "token (fixed-length rollouts for throughput measurements, as verl's rollout.ignore_eos)")
     banned_token_ids: list[int] = knob([], "token ids never sampled, in every engine (e.g. pad/bos/unk a policy could learn to emit)")
     gpu_memory_utilization: float = knob(0.5, "fraction of GPU memory the engine may take (vllm/sglang)", gt=0, le=1)
     bucket_bytes: int = knob(512 * 2**20, "bytes per bucket of the actor -> engine weight stream", ge=1)

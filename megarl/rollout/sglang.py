@@ -88,6 +88,9 @@ def to_sglang_sampling(sampling: SamplingParams, seed: int) -> dict[str, Any]:
         "top_p": sampling.top_p,
         "top_k": sampling.top_k if sampling.top_k > 0 else -1,
         "stop_token_ids": list(sampling.stop_token_ids),
+        # Stop on stop_token_ids only, as every megarl engine does (the trainer lists eos there
+        # unless rollout.ignore_eos); SGLang would otherwise also stop on the model's own eos ids.
+        "ignore_eos": True,
         "sampling_seed": seed,
         **({"logit_bias": {str(t): float("-inf") for t in sampling.banned_token_ids}} if sampling.banned_token_ids else {}),
     }

@@ -115,3 +115,22 @@ def test_release_and_resume_are_safe_on_cpu(tiny_models):
     engine.resume_memory()
     after = engine.generate(_requests(PROMPTS[:1]), SamplingParams(temperature=0.0, max_new_tokens=4))
     assert before[0].response_token_ids == after[0].response_token_ids
+
+
+def test_ignore_eos_runs_every_response_to_the_limit(tiny_models):
+    """rollout.ignore_eos takes eos out of the stop tokens the trainer gives every engine: the token
+    that ends a greedy response with eos stopping it no longer ends it."""
+    from megarl.config.schema import RolloutConfig
+    from megarl.trainer import stop_token_ids
+
+    engine = HFRolloutEngine(_reference(tiny_models["qwen3"]))
+    reqs = [RolloutRequest((5, 6, 7), 0)]
+    first = engine.generate(reqs, SamplingParams(temperature=0.0, max_new_tokens=6))[0].response_token_ids[0]
+    # Let that first greedy token play eos: with eos stopping, the response is that one token.
+    assert stop_token_ids(RolloutConfig(stop_token_ids=[3]), eos_token_id=first) == (3, first)
+    assert stop_token_ids(RolloutConfig(stop_token_ids=[3], ignore_eos=True), eos_token_id=first) == (3,)
+    stopped, free = (engine.generate(reqs, SamplingParams(temperature=0.0, max_new_tokens=6,
+                                                          stop_token_ids=stop_token_ids(RolloutConfig(ignore_eos=ignore), first)))[0]
+                     for ignore in (False, True))
+    assert stopped.response_token_ids == [first]
+    assert len(free.response_token_ids) == 6 and free.response_token_ids[0] == first

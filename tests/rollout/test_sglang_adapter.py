@@ -76,7 +76,8 @@ def test_call_sequence_of_one_step(fake_sglang, monkeypatch):
     (_, input_ids, params, return_logprob), = calls
     seeds = [make_sample_seed(4, 1, 8, j) for j in range(2)]
     assert return_logprob is True and input_ids == [[5, 6], [5, 6]]
-    assert params == [dict(max_new_tokens=3, temperature=1.0, top_p=1.0, top_k=-1, stop_token_ids=[2], sampling_seed=s) for s in seeds]
+    assert params == [dict(max_new_tokens=3, temperature=1.0, top_p=1.0, top_k=-1, stop_token_ids=[2], ignore_eos=True,
+                          sampling_seed=s) for s in seeds]
     assert results[1].response_token_ids == fake_tokens(seeds[1], [5, 6])
     assert results[1].logprobs == [-0.25, -0.5, -0.75] == results[1].scaled_logprobs
     assert results[1].finish_reason == "length"
