@@ -52,7 +52,8 @@ TWO_RANKS = textwrap.dedent("""
     try:  # only rank 1's responses are bad; both ranks must fail, with the same message
         fn(["p"], ["bad" if rank == 1 else "ok"], [""], [""], [{}])
     except RewardError as e:
-        print(f"rank {rank}: {e}", flush=True)
+        sys.stdout.write(f"rank {rank}: {e}\\n")  # one write: two ranks' print()s can interleave mid-line
+        sys.stdout.flush()
     dist.destroy_process_group()
 """)
 
