@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+from parity_worker import hf_reference, logprobs_and_export  # noqa: E402  (the same checks as the families' parity)
 
 KEYS = {"tp": "tp", "pp": "pp", "ep": "ep", "etp": "etp", "vpp": "vpp", "first": "first_stage_layers", "last": "last_stage_layers"}
 
@@ -26,18 +31,6 @@ def parse_layout(text: str) -> dict:
     for part in text.split(","):
         key, value = part.split("=")
         out[KEYS[key]] = int(value)
-    return out
-
-
-def hf_reference(model_dir: str, sequences: list[list[int]]) -> list[torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    out = []
-    with torch.no_grad():
-        for seq in sequences:
-            logp = torch.log_softmax(model(torch.tensor([seq])).logits[0].float(), -1)
-            out.append(logp[:-1].gather(-1, torch.tensor(seq[1:]).unsqueeze(-1)).squeeze(-1))
     return out
 
 
@@ -53,9 +46,8 @@ def main() -> None:
     from megarl.models import load_model_chunks
     from megarl.models.convert import weight_mappings
     from megarl.models.families import load_spec
-    from megarl.models.weights import SafetensorsDir, export_hf, local_weight_shards
+    from megarl.models.weights import SafetensorsDir, local_weight_shards
     from megarl.parallel import dims_from_env
-    from megarl.tools.logprobs import sequence_logprobs
 
     gen = torch.Generator().manual_seed(0)
     sequences = [torch.randint(0, 301, (n,), generator=gen).tolist() for n in (7, 12, 3, 9, 16, 5)]
@@ -72,20 +64,7 @@ def main() -> None:
             chunks, _ = load_model_chunks(model_dir, dims)
             for chunk in chunks:
                 chunk.eval()
-            mine = list(range(dims.dp_rank, len(sequences), dims.dp))
-            per_replica = -(-len(sequences) // dims.dp)
-            # 3 micro-batches of 2 per replica: under vpp the schedule needs a multiple of pp (filled up)
-            lps = sequence_logprobs(chunks, spec, dims, [sequences[i] for i in mine], 2,
-                                    length=16, num_micro_batches=-(-per_replica // 2))
-            diffs = [(torch.tensor(lp) - reference[i]).abs().max().item() for i, lp in zip(mine, lps)]
-            max_diff = torch.tensor(max(diffs) if diffs else 0.0, dtype=torch.float64)
-            dist.all_reduce(max_diff, op=dist.ReduceOp.MAX)
-            exported, mismatched, names = 0, [], set()
-            for name, tensor in export_hf(chunks, spec, dims):
-                exported += 1
-                names.add(name)
-                if not torch.equal(tensor, source.full(name)):
-                    mismatched.append(name)
+            max_diff, exported, mismatched, names = logprobs_and_export(chunks, spec, dims, sequences, reference, source)
             missing = sorted(set(source.weight_map) - names)
             # Each chunk holds the layers megarl's arithmetic says (Megatron built them from its own).
             from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
@@ -98,7 +77,7 @@ def main() -> None:
             held: list = [None] * dims.world_size
             dist.all_gather_object(held, sorted(local_weight_shards(chunks, spec, dims)))
             unheld = sorted({m.name for m in weight_mappings(spec, dims.tp)} - {n for part in held for n in part})
-            results.append(dict(model=spec.family, layout=text, chunks=len(chunks), layers_ok=bool(layers_ok), max_abs_diff=max_diff.item(),
+            results.append(dict(model=spec.family, layout=text, chunks=len(chunks), layers_ok=bool(layers_ok), max_abs_diff=max_diff,
                                 exported=exported, mismatched=mismatched, missing=missing, unheld=unheld))
             dims.destroy()
     if dist.get_rank() == 0:

@@ -43,6 +43,31 @@ def hf_reference(model_dir: str, sequences: list[list[int]]) -> list[torch.Tenso
     return out
 
 
+def logprobs_and_export(chunks, spec, dims, sequences, reference, source) -> tuple[float, int, list[str], set[str]]:
+    """One layout's checks against the checkpoint: the largest |log-prob - transformers'| over every
+    rank (each data-parallel replica scores its share of `sequences`, 2 per micro-batch), then the
+    export compared tensor by tensor with the checkpoint, values and dtypes (the float32 correction
+    bias must stay float32). Returns (max diff, tensors exported, mismatched names, exported names)."""
+    from megarl.models.weights import export_hf
+    from megarl.tools.logprobs import sequence_logprobs
+
+    mine = list(range(dims.dp_rank, len(sequences), dims.dp))
+    per_replica = -(-len(sequences) // dims.dp)
+    # micro-batches of 2: under vpp the schedule needs a multiple of pp of them (filled up)
+    lps = sequence_logprobs(chunks, spec, dims, [sequences[i] for i in mine], 2,
+                            length=16, num_micro_batches=-(-per_replica // 2))
+    diffs = [(torch.tensor(lp) - reference[i]).abs().max().item() for i, lp in zip(mine, lps)]
+    max_diff = torch.tensor(max(diffs) if diffs else 0.0, dtype=torch.float64)
+    dist.all_reduce(max_diff, op=dist.ReduceOp.MAX)
+    exported, mismatched, names = 0, [], set()
+    for name, tensor in export_hf(chunks, spec, dims):
+        exported += 1
+        names.add(name)
+        if tensor.dtype != source.full(name).dtype or not torch.equal(tensor, source.full(name)):
+            mismatched.append(name)
+    return max_diff.item(), exported, mismatched, names
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="+", required=True)
@@ -53,9 +78,8 @@ def main() -> None:
     from megarl.models import load_model_chunks
     from megarl.models.convert import exported_mappings, mtp_tensor_names
     from megarl.models.families import load_spec
-    from megarl.models.weights import SafetensorsDir, export_hf, local_weight_shards
+    from megarl.models.weights import SafetensorsDir, local_weight_shards
     from megarl.parallel import dims_from_env
-    from megarl.tools.logprobs import sequence_logprobs
 
     gen = torch.Generator().manual_seed(0)
     sequences = [torch.randint(0, 301, (n,), generator=gen).tolist() for n in (7, 12, 3, 9, 16)]
@@ -74,20 +98,7 @@ def main() -> None:
             chunks, _ = load_model_chunks(model_dir, dims)
             for chunk in chunks:
                 chunk.eval()
-            mine = list(range(dims.dp_rank, len(sequences), dims.dp))
-            per_replica = -(-len(sequences) // dims.dp)
-            lps = sequence_logprobs(chunks, spec, dims, [sequences[i] for i in mine], 2,
-                                    length=16, num_micro_batches=-(-per_replica // 2))
-            diffs = [(torch.tensor(lp) - reference[i]).abs().max().item() for i, lp in zip(mine, lps)]
-            max_diff = torch.tensor(max(diffs) if diffs else 0.0, dtype=torch.float64)
-            dist.all_reduce(max_diff, op=dist.ReduceOp.MAX)
-            exported, mismatched, names = 0, [], set()
-            for name, tensor in export_hf(chunks, spec, dims):
-                exported += 1
-                names.add(name)
-                # dtypes too: the float32 correction bias must stay float32
-                if tensor.dtype != source.full(name).dtype or not torch.equal(tensor, source.full(name)):
-                    mismatched.append(name)
+            max_diff, exported, mismatched, names = logprobs_and_export(chunks, spec, dims, sequences, reference, source)
             # multi-token-prediction layers are skipped on load and must not come back on export
             mtp = set(mtp_tensor_names(spec, source.weight_map))
             missing = sorted(set(source.weight_map) - names - mtp)
@@ -97,7 +108,7 @@ def main() -> None:
             unheld = sorted({m.name for m in exported_mappings(spec, dims.tp)} - {n for part in held for n in part})
             tp, pp, ep = (layout.get(k, 1) for k in ("tp", "pp", "ep"))
             results.append(dict(model=spec.family, model_dir=model_dir, layout=text, tp=tp, pp=pp, ep=ep,
-                                chunks=len(chunks), max_abs_diff=max_diff.item(), exported=exported,
+                                chunks=len(chunks), max_abs_diff=max_diff, exported=exported,
                                 mismatched=mismatched, missing=missing, unheld=unheld,
                                 mtp_skipped=len(mtp), mtp_exported=sorted(mtp & names)))
             dims.destroy()
