@@ -119,8 +119,9 @@ test-fast: setup
 # Benchmark suite (benchmarks/suite.py, benchmarks/README.md): a few minutes on 2 CPU cores.
 # bench-check measures, then compares with benchmarks/baselines/<machine kind>/suite.json and
 # fails, naming the figure, when one is more than 15% slower than its baseline.
+BENCH_STEPS ?= 10
 bench: setup
-	$(BIN)/python benchmarks/suite.py run
+	$(BIN)/python benchmarks/suite.py run --steps $(BENCH_STEPS)
 
 bench-check: bench
 	$(BIN)/python benchmarks/suite.py check

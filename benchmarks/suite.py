@@ -92,13 +92,32 @@ def bench_packing(tmp: Path) -> dict:
                                                 "detail": r["median_seconds_per_step"]}}
 
 
+BENCH_DATA = REPO / "runs" / "bench" / "arithmetic"
+
+
+def prepare_bench_data() -> None:
+    """The suite's own copy of the demo's data, written when missing (a fresh clone has none).
+
+    The launch cannot write it: `data.auto_prepare` writes only the config file's own paths, never a
+    path given on the command line (a typo there must not train on synthetic data).
+    """
+    import yaml
+
+    from megarl.data.prepare import prepare_arithmetic
+
+    if (BENCH_DATA / "train.parquet").is_file() and (BENCH_DATA / "test.parquet").is_file():
+        return
+    a = yaml.safe_load((REPO / "configs" / "tiny_cpu.yaml").read_text())["data"]["arithmetic"]
+    prepare_arithmetic(BENCH_DATA, a["kind"], a["num_digits"], a["train_size"], a["val_size"])
+
+
 def bench_ppo(tmp: Path, steps: int) -> dict:
     run_dir = tmp / "ppo"
+    prepare_bench_data()
     overrides = [f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}", "trainer.save_every_steps=0",
                  f"trainer.val_every_steps={steps + 1}", "tracking.progress_bar=false", "tracking.mlflow=false",
                  f"model.path={REPO / 'runs' / 'bench' / 'tiny-llama-digits'}",
-                 f"data.train_files=[{REPO / 'runs' / 'bench' / 'arithmetic' / 'train.parquet'}]",
-                 f"data.val_files=[{REPO / 'runs' / 'bench' / 'arithmetic' / 'test.parquet'}]"]
+                 f"data.train_files=[{BENCH_DATA / 'train.parquet'}]", f"data.val_files=[{BENCH_DATA / 'test.parquet'}]"]
     _run([sys.executable, "benchmarks/_ppo_probe.py", "--config", "configs/tiny_cpu.yaml", *overrides])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "event" not in r][WARMUP_STEPS:]
