@@ -11,19 +11,9 @@ from megarl.engine.batch import SequenceBatch
 from megarl.engine.engine import EngineConfig, MegatronEngine
 from megarl.hybrid.verify import WeightSyncMismatch, check_sync
 from megarl.rollout.base import RolloutRequest, SamplingParams, pad_results
+from banned_mass import heavy_tokens
 
 PROMPTS = [(5, 6, 7), (11,), (40, 41, 42, 43), (200, 3)]
-
-
-def heavy_tokens(model, min_mass: float) -> tuple[int, ...]:
-    """The fewest tokens, most probable first, holding `min_mass` of the random model's average
-    next-token distribution on random text: the tokens this model likes and a ban takes away."""
-    ids = torch.randint(0, model.config.vocab_size, (8, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        avg = model(ids).logits.softmax(-1).reshape(-1, model.config.vocab_size).mean(0)
-    mass, order = avg.sort(descending=True)
-    count = int((mass.cumsum(0) < min_mass).sum()) + 1
-    return tuple(sorted(order[:count].tolist()))
 
 
 @pytest.fixture(scope="module")
