@@ -76,7 +76,8 @@ def _valid_columns(
     local_vocab = logits.shape[-1]
     if vocab_start is None:
         vocab_start = 0 if tp_group is None else dist.get_rank(tp_group) * local_vocab
-    if logits.dtype in (torch.float16, torch.bfloat16):
+    owned = logits.dtype in (torch.float16, torch.bfloat16)  # converted below: a copy of our own
+    if owned:
         logits = logits.float()
     if true_vocab_size is not None:
         # Padding is a suffix of the global vocabulary, hence a suffix of each local slice
@@ -85,8 +86,10 @@ def _valid_columns(
         logits = logits[..., :n_valid]
     local = [t - vocab_start for t in banned_token_ids if 0 <= t - vocab_start < logits.shape[-1]]
     if local:
-        # index_fill copies (the caller's logits stay as they were) and gives the filled columns zero gradient.
-        logits = logits.index_fill(-1, torch.tensor(local, device=logits.device), torch.finfo(logits.dtype).min)
+        # Filled columns get zero gradient. In place on our own float32 copy (bf16 training: no extra
+        # [..., vocab/tp] tensor); otherwise on a copy, so the caller's logits stay as they were.
+        index, lowest = torch.tensor(local, device=logits.device), torch.finfo(logits.dtype).min
+        logits = logits.index_fill_(-1, index, lowest) if owned else logits.index_fill(-1, index, lowest)
     return logits, vocab_start
 
 

@@ -151,6 +151,12 @@ def test_a_banned_target_is_hugely_negative_and_finite():
     assert vocab_parallel_full_kl(logits, logits, banned_token_ids=(1,)).item() == pytest.approx(0.0, abs=1e-7)
     kl = full_kl_penalty(torch.tensor([[0.0, 9.0, 0.0, 0.0]]), torch.zeros(1, 4), banned_token_ids=(1,))
     assert kl.item() == pytest.approx(0.0, abs=1e-7)  # the banned token's logit no longer matters
+    bf16 = torch.zeros(1, 4, dtype=torch.bfloat16)  # filled in place on the float32 copy, not in the caller's
+    assert vocab_parallel_entropy(bf16, banned_token_ids=(1,)).item() == pytest.approx(math.log(3))
+    assert torch.equal(bf16, torch.zeros(1, 4, dtype=torch.bfloat16))
+    f32 = torch.zeros(1, 4)
+    vocab_parallel_logprobs(f32, torch.tensor([0]), banned_token_ids=(1,))
+    assert torch.equal(f32, torch.zeros(1, 4))
 
 
 def _tp_worker(rank, port, world_size):
