@@ -94,19 +94,23 @@ def export_hf_main(argv=None) -> int:
         print(f"error: {ckpt} is not a complete megarl checkpoint with a {args.role}/ directory", file=sys.stderr)
         return 2
     model_dir = args.model
+    resolved = ckpt.parent.parent / "config.yaml"
+    run_config = yaml.safe_load(resolved.read_text()) if resolved.is_file() else None
     if model_dir is None:
-        resolved = ckpt.parent.parent / "config.yaml"
-        if not resolved.is_file():
+        if run_config is None:
             print(f"error: pass --model (no resolved config at {resolved})", file=sys.stderr)
             return 2
-        model_dir = yaml.safe_load(resolved.read_text())["model"]["path"]
+        model_dir = run_config["model"]["path"]
+    # The run's banned tokens are part of the policy it trained: they go into generation_config.json.
+    banned = tuple((run_config or {}).get("rollout", {}).get("banned_token_ids") or ())
     dims = dims_from_env().initialize()
     critic = args.role == "critic"
     engine = MegatronEngine(model_dir, dims, EngineConfig(), value_head=critic, trainable=False)
     engine.load(str(ckpt / args.role))
-    save_hf_checkpoint(engine.chunks, engine.spec, dims, args.out, model_dir, critic=critic)
+    save_hf_checkpoint(engine.chunks, engine.spec, dims, args.out, model_dir, critic=critic, banned_token_ids=banned)
     if dims.rank == 0:
-        print(f"wrote {args.out}")
+        suppressed = f" (generation_config.json suppress_tokens {list(banned)}: the run's rollout.banned_token_ids)" if banned and not critic else ""
+        print(f"wrote {args.out}{suppressed}")
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -275,8 +275,10 @@ def _umask() -> int:
 
 
 def save_hf_checkpoint(model: Chunks, spec: ModelSpec, dims: ParallelDims, out_dir: str | Path, source_dir: str | Path,
-                       max_shard_bytes: int = 2 << 30, critic: bool = False) -> None:
-    """Write an HF model directory (safetensors shards + config + tokenizer) from rank 0 (collective)."""
+                       max_shard_bytes: int = 2 << 30, critic: bool = False, banned_token_ids: Sequence[int] = ()) -> None:
+    """Write an HF model directory (safetensors shards + config + tokenizer) from rank 0 (collective).
+    banned_token_ids: the run's rollout.banned_token_ids, written as generation_config.json's
+    suppress_tokens (`write_suppress_tokens`) so that `generate` samples the policy that was trained."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
@@ -314,3 +316,27 @@ def save_hf_checkpoint(model: Chunks, spec: ModelSpec, dims: ParallelDims, out_d
         for path in source_dir.iterdir():
             if path.is_file() and not path.name.startswith("model") and path.suffix in (".json", ".txt", ".model", ".jinja"):
                 shutil.copy2(path, out_dir / path.name)
+        if banned_token_ids and not critic:
+            write_suppress_tokens(out_dir, banned_token_ids)
+
+
+def write_suppress_tokens(hf_dir: str | Path, token_ids: Sequence[int]) -> None:
+    """Set generation_config.json's suppress_tokens to `token_ids` (creating the file from config.json
+    when the directory has none).
+
+    A banned token is part of the trained policy: the engines sampled with its logit at -inf and
+    the trainer's log-probs leave it out (docs/algorithms.md, "Banned tokens"). transformers'
+    `generate` reads suppress_tokens and sets those logits to -inf, so a user's greedy decoding of
+    the export is the run's; without it the never-trained logits of e.g. <pad> win (issue 21).
+    The source's own suppress_tokens are replaced: the run's bans are the policy's definition.
+    vLLM's server does not read this key (docs/rollout.md says what to pass it instead).
+    """
+    from transformers import AutoConfig, GenerationConfig
+
+    hf_dir = Path(hf_dir)
+    if (hf_dir / "generation_config.json").is_file():
+        generation = GenerationConfig.from_pretrained(hf_dir)
+    else:  # what transformers would derive at load time: bos / eos / pad ids from config.json
+        generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(hf_dir))
+    generation.suppress_tokens = sorted({int(t) for t in token_ids})
+    generation.save_pretrained(hf_dir)

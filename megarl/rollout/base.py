@@ -29,9 +29,10 @@ class SamplingParams:
         part of the response). Put the EOS id(s) here: megarl engines stop on nothing else, while
         vLLM also stops on the model's own EOS (see docs/rollout.md).
     banned_token_ids: tokens that are never sampled (greedy included), e.g. pad/bos/unk, which a
-        policy could otherwise learn to emit. Removed from the sampled distribution like top-k
-        removes tokens (`processed` log-probs renormalise without them; scaled log-probs do not).
-        hf applies it in megarl.rollout.sampling, vLLM and SGLang through their logit_bias.
+        policy could otherwise learn to emit. Part of the policy's definition: their logits are
+        -inf before the softmax, so both processed and scaled log-probs renormalise without them,
+        as the trainer's actor and reference do (docs/algorithms.md, "Banned tokens"). hf applies
+        it in megarl.rollout.sampling, vLLM and SGLang through their logit_bias.
     seed: the run seed that `make_sample_seed` mixes with (step, prompt index, sample index).
     """
 
@@ -91,8 +92,9 @@ class RolloutResult:
         (temperature, top-k and top-p applied and renormalised; vLLM's "processed_logprobs").
         Greedy requests report log-softmax of the unscaled logits. SGLang cannot return this and
         reports scaled_logprobs here instead (docs/rollout.md has the table).
-    scaled_logprobs: the same under softmax(logits / temperature) without top-k/top-p
-        truncation: the quantity the actor recomputes. None when the engine does not return it.
+    scaled_logprobs: the same under softmax(logits / temperature) over the allowed vocabulary
+        (banned tokens removed, as in logprobs) without top-k/top-p truncation: the quantity the
+        actor recomputes. None when the engine does not return it.
     routed_experts: MoE routing replay: the experts each token went to, [prompt + response - 1
         tokens, num_layers, topk] int16 (-1: dense layer / not routed; the last response token is
         never fed back). None unless the engine was asked to record (hf: `record_routes`).

@@ -92,6 +92,7 @@ def to_sglang_sampling(sampling: SamplingParams, seed: int) -> dict[str, Any]:
         # unless rollout.ignore_eos); SGLang would otherwise also stop on the model's own eos ids.
         "ignore_eos": True,
         "sampling_seed": seed,
+        # Banned tokens: -inf before the softmax, so they also leave the log-probs SGLang returns.
         **({"logit_bias": {str(t): float("-inf") for t in sampling.banned_token_ids}} if sampling.banned_token_ids else {}),
     }
 
@@ -216,6 +217,9 @@ class SGLangRolloutEngine:
             box = [parsed]
             dist.broadcast_object_list(box, src=self.owner, group=self.group)
             parsed = box[0]
+        # SGLang's log-probs are temperature-scaled and untruncated, taken after it added logit_bias in
+        # place (sampling_batch_info.py:440-441 in 0.5.23): banned tokens are already out of them, which
+        # is the trainer's definition of the policy too (docs/algorithms.md, "Banned tokens").
         return [RolloutResult(s.request.prompt_index, s.sample_index, ids, lps, reason, scaled_logprobs=list(lps))
                 for s, (ids, lps, reason) in zip(specs, parsed)]
 

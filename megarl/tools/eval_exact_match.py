@@ -6,9 +6,11 @@ decoded, so nothing can be hidden). Prints one JSON line {"exact_match", "correc
 "examples"} with a few wrong answers shown as token strings.
 
 The CPU demo's README figure is measured with it on the held-out split (`make demo-eval` exports the
-last checkpoint with megarl.tools.export_hf first). Greedy = argmax over the vocabulary less
---banned-token-ids: pass the run's rollout.banned_token_ids to measure the policy as it sampled
-during training (a banned token was never sampled, so training never pushed its logit down).
+last checkpoint with megarl.tools.export_hf first). Greedy = argmax over the vocabulary less the
+model's generation_config.json suppress_tokens (as transformers' `generate` does; megarl.tools.export_hf
+writes the run's rollout.banned_token_ids there, since a ban is part of the trained policy) and less
+--banned-token-ids. --run-config / --banned-token-ids matter only for a model directory that does not
+carry its bans (e.g. one exported before this was written).
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ def exact_match(model_dir: str, data_files: list[str], limit: int | None = None,
     if tokenizer.eos_token_id is None:
         raise ValueError(f"{model_dir}: the tokenizer has no eos token; exact match needs one to end answers")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    suppressed = getattr(model.generation_config, "suppress_tokens", None) or ()  # what `generate` would suppress
+    banned_token_ids = tuple(sorted({*map(int, suppressed), *map(int, banned_token_ids)}))
     engine = HFRolloutEngine(model, device="cpu", max_batch_rows=batch_rows)
     rows = read_prompt_files(data_files)[:limit]
     requests = [RolloutRequest(tuple(encode_prompt(tokenizer, r["prompt"])), prompt_index=i) for i, r in enumerate(rows)]
@@ -57,7 +61,7 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=None, help="score only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--banned-token-ids", type=int, nargs="*", default=[],
-                   help="never pick these tokens: the run's rollout.banned_token_ids, to measure the policy as it was trained")
+                   help="never pick these tokens either (the model's generation_config suppress_tokens always apply)")
     p.add_argument("--run-config", help="a run's resolved config.yaml: take --banned-token-ids from its rollout.banned_token_ids")
     args = p.parse_args(argv)
     try:

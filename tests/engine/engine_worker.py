@@ -9,6 +9,8 @@
   offload  offload params/grads/optimizer and back; asserts bit-identical state.
   clip     one step on the whole batch with clipping: reports Megatron's grad norm, the norm
            recomputed after clipping, and (rank 0) the norm transformers' autograd gives.
+  banned   rollout.banned_token_ids (`BANNED`): forward-only log-probs and entropy of the whole
+           batch with and without the ban, then the actor update with it.
 """
 from __future__ import annotations
 
@@ -43,7 +45,16 @@ def global_batch(step: int) -> SequenceBatch:
     return SequenceBatch(seqs, plens, list(range(N)), R, tensors)
 
 
-def update(engine: MegatronEngine, dims, step: int, critic: bool):
+def banned_ids() -> tuple[int, ...]:
+    """Every other token id of the 301-token vocabulary (both TP shards, the last real id 300) that
+    no response of global_batch(0) holds: about half the mass of a random model is banned, and no
+    trained token is."""
+    full = global_batch(0)
+    targets = {t for seq, plen in zip(full.input_ids, full.prompt_lens) for t in seq[plen:]}
+    return tuple(t for t in range(0, 301, 2) if t not in targets)
+
+
+def update(engine: MegatronEngine, dims, step: int, critic: bool, banned_token_ids: tuple[int, ...] = ()):
     full = global_batch(step)
     batch = full.select(list(range(dims.dp_rank, N, dims.dp)))  # this DP rank's share
     if critic:
@@ -54,13 +65,14 @@ def update(engine: MegatronEngine, dims, step: int, critic: bool):
                               global_tokens=totals["tokens"])
         fields = ("old_values", "returns")
     else:
-        batch.tensors["old_logprobs"] = engine.forward_only(batch)["logprobs"]
+        batch.tensors["old_logprobs"] = engine.forward_only(batch, banned_token_ids=banned_token_ids)["logprobs"]
 
         def loss_fn(out, mb, totals):
             return policy_loss(out["logprobs"], mb["old_logprobs"], mb["advantages"], mb["response_mask"],
                                global_tokens=totals["tokens"])
         fields = ("old_logprobs", "advantages")
-    return engine.train_step(batch, loss_fn, fields=fields, epochs=1, mini_batches=2, num_global=N, shuffle_seed=step)
+    return engine.train_step(batch, loss_fn, fields=fields, epochs=1, mini_batches=2, num_global=N, shuffle_seed=step,
+                             banned_token_ids=banned_token_ids)
 
 
 def main() -> None:
@@ -97,8 +109,12 @@ def run_role(args, dims, critic: bool, mode: str) -> dict:
     result = {"grad_norms": []}
     if mode == "resume":
         engine.load(args.ckpt)
+    if mode == "banned":  # the whole batch on every DP rank: forward_only needs no split
+        full = global_batch(0)
+        result["banned"] = engine.forward_only(full, want=("logprobs", "entropy"), temperature=0.7, banned_token_ids=banned_ids())
+        result["free"] = engine.forward_only(full, want=("logprobs", "entropy"), temperature=0.7)
     if mode != "clip":
-        stats = update(engine, dims, 1 if mode == "resume" else 0, critic)
+        stats = update(engine, dims, 1 if mode == "resume" else 0, critic, banned_ids() if mode == "banned" else ())
         result["grad_norms"] += stats.grad_norms
         result["metrics"] = stats.metrics
     if mode == "twice":

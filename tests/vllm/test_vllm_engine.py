@@ -175,6 +175,41 @@ def test_float32_sync_check_passes_correct_weights_and_catches_a_scaled_layer(se
         check_sync(*sampled_batch_gap(setup.engine, actor, corrupted), "float32")
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_megatron_actor_logprobs_equal_vllm_logprobs_when_bans_hold_most_of_the_mass(setup, model_dir, world_of_one,
+                                                                                    temperature):
+    """A ban is part of the policy (issue 21, item 1; gpu-paths F6): vLLM's processed log-probs of its
+    own samples (logit bias -inf, then the softmax) equal the trainer's actor forward (Megatron-Core,
+    allowed vocabulary) at float32 noise, and the post-sync check passes, when the banned tokens hold
+    most of the mass; the full-vocabulary log-probs the actor computed before fail the check."""
+    from banned_mass import heavy_tokens
+    from megarl.engine.batch import SequenceBatch
+    from megarl.engine.engine import EngineConfig, MegatronEngine
+    from megarl.hybrid.verify import WeightSyncMismatch, check_sync
+    from megarl.rollout.base import pad_results
+
+    state = perturbed_state(model_dir, 0, scale=0.0)  # the checkpoint's own weights: the actor loads them too
+    _sync(setup.engine, state)
+    banned = heavy_tokens(transformers_model(model_dir), min_mass=0.75)
+    results = setup.engine.generate(_requests(step=3), SamplingParams(n=4, temperature=temperature, max_new_tokens=8, seed=2,
+                                                                      banned_token_ids=banned))
+    assert not {t for r in results for t in r.response_token_ids} & set(banned)
+    padded = pad_results(results)
+    mask = padded.mask.float()
+    prompts = [PROMPTS[r.prompt_index] for r in results]
+    batch = SequenceBatch([list(p) + list(r.response_token_ids) for p, r in zip(prompts, results)], [len(p) for p in prompts],
+                          list(range(len(results))), mask.shape[1], {"response_mask": mask})
+    actor = MegatronEngine(str(model_dir), world_of_one, EngineConfig(), trainable=False)
+    actor_lp = actor.forward_only(batch, temperature=temperature, banned_token_ids=banned)["logprobs"]
+    full_lp = actor.forward_only(batch, temperature=temperature)["logprobs"]
+    on = padded.mask
+    assert (1.0 - (full_lp[on] - actor_lp[on]).exp()).mean() > 0.5  # the banned share of the mass
+    assert (actor_lp - padded.logprobs)[on].abs().max() < LOGPROB_ATOL
+    assert check_sync(padded.logprobs, actor_lp, mask, "float32", where="rollout.engine=vllm")["mean"] < 1e-5
+    with pytest.raises(WeightSyncMismatch):
+        check_sync(padded.logprobs, full_lp, mask, "float32")
+
+
 def test_close_keeps_the_trainers_process_group(setup):
     """Last in the module: vLLM's own shutdown ends with destroy_process_group()."""
     setup.engine.close()
