@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import spawn
+from conftest import free_port, spawn
 from fake_engines import fake_tokens, make_fake_sglang, sglang_two_rank_worker
 from megarl.rollout.base import MissingEngineError, RolloutRequest, SamplingParams, make_sample_seed
 
@@ -173,3 +174,31 @@ def test_schedulers_do_not_inherit_torchruns_agent_store_flag(fake_sglang, monke
     with pytest.raises(RuntimeError, match="scheduler died"):
         SGLangRolloutEngine(SGLangConfig("/m"), group=None, group_ranks=[0])
     assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+
+
+# What SGLang's schedulers do first (sglang/srt/distributed/parallel_state.py): a tcp:// rendezvous on
+# 127.0.0.1:<nccl_port>, where scheduler rank 0 must serve the store. One rank is enough to see it.
+_SCHEDULER_RENDEZVOUS = ("import datetime, sys, torch.distributed as dist; "
+                         "dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{sys.argv[1]}', rank=0, "
+                         "world_size=1, timeout=datetime.timedelta(seconds=5)); print('rendezvous done')")
+
+
+@pytest.mark.multiprocess
+def test_a_scheduler_started_with_the_recorded_environment_can_rendezvous(fake_sglang, monkeypatch):
+    """Real torch, in a process started with the environment the fake Engine recorded at spawn: the
+    scheduler's rendezvous completes. With torchrun's environment (the control) torch makes rank 0 a
+    client of a store nobody serves, and it times out."""
+    from megarl.rollout.sglang import SGLangConfig, SGLangRolloutEngine
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    engine = SGLangRolloutEngine(SGLangConfig("/m"), group=None, group_ranks=[0])
+
+    def scheduler(env):
+        return subprocess.run([sys.executable, "-c", _SCHEDULER_RENDEZVOUS, str(free_port())], env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    started = scheduler(engine.engine.scheduler_env)
+    assert started.returncode == 0 and "rendezvous done" in started.stdout, started.stderr[-2000:]
+    control = scheduler(dict(os.environ))
+    assert control.returncode != 0 and "rendezvous done" not in control.stdout
