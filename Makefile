@@ -118,8 +118,9 @@ test-fast: setup
 # --- the GPU image ---------------------------------------------------------------------------------------
 # docker-check: the pins of docker/Dockerfile (docker/requirements/) resolve, without installing, for Linux
 # x86-64 / CPython 3.12, and torch, vLLM, SGLang, Transformer-Engine and the base image agree on one CUDA
-# major (docker/check_pins.py; tests/docker runs it). Needs PyPI: about 3 minutes on a fresh machine, then
-# the reports are reused from runs/docker-check/ until a pin changes. pip runs in a venv of Python 3.12
+# major (docker/check_pins.py; tests/image runs it). Needs PyPI; where the index serves no separate wheel
+# metadata (PEP 658) pip downloads every wheel of both sets, minutes (its docstring has the numbers); the
+# reports are then reused from runs/docker-check/ until a pin changes. pip runs in a venv of Python 3.12
 # because it evaluates environment markers with its own interpreter. DOCKER_CHECK_ARGS: extra arguments.
 DOCKER_CHECK_VENV := runs/docker-check/venv
 docker-check: $(DOCKER_CHECK_VENV)/.installed

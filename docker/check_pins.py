@@ -15,9 +15,11 @@ cuda-toolkit==13.0.3, flashinfer_python[cu13], ...) and from its local version (
 
 Run it under CPython 3.12: pip evaluates environment markers (python_version < "3.12") with the
 interpreter it runs under, whatever --python-version says; `make docker-check` makes that venv.
-Resolving downloads every wheel in the set (PyPI serves no separate metadata for them here), about
-2.5 minutes per engine on a fresh machine; the engines resolve in parallel and each report is kept
-in runs/docker-check/ under a hash of its inputs, so an unchanged set is not resolved again.
+Cost: pypi.org serves each wheel's metadata on its own (PEP 658) and pip then reads only that; an
+index without it (the registry mirror of the development machines) makes pip download every wheel
+of the set, about 3 GB per engine: 2.5 minutes for one engine there at load ~10, 9 to 13 minutes for
+both under load ~30 on 2 cores (1 minute of CPU). The engines resolve in parallel, and each report is
+kept in runs/docker-check/ under a hash of its inputs, so an unchanged set is not resolved again.
 
     python docker/check_pins.py [--dockerfile docker/Dockerfile] [--requirements DIR] [--engines vllm sglang]
 """
