@@ -2,14 +2,16 @@
 
     python docker/verify_image.py <engine>
 
-Checks that torch is built for the base image's CUDA major (CUDA_VERSION, set by the nvidia/cuda
-images; a CUDA 12 torch in a CUDA 13 image, or the reverse, loads but its kernels and the engine's
-do not), then imports torch, Transformer-Engine's PyTorch layers and the rollout engine.
+Checks that torch and Transformer-Engine's core wheel are built for the base image's CUDA major
+(CUDA_VERSION, set by the nvidia/cuda images; a CUDA 12 torch in a CUDA 13 image, or the reverse,
+imports but its kernels and the engine's do not load), then imports torch, Transformer-Engine's
+PyTorch layers and the rollout engine.
 """
 from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 
 
@@ -24,10 +26,25 @@ def cuda_major_problem(torch_version: str, torch_cuda: str | None, image_cuda: s
     return None
 
 
+def te_core_problem(distributions: list[str], image_cuda: str) -> str | None:
+    """Transformer-Engine's core library wheel (transformer_engine_cuNN) must be the image's CUDA major."""
+    cores = sorted({d for d in distributions if re.fullmatch(r"transformer[-_]engine[-_]cu\d+", d.lower())})
+    wrong = [d for d in cores if d.lower().rsplit("cu", 1)[1] != image_cuda.split(".")[0]]
+    if not cores:
+        return "no Transformer-Engine core wheel (transformer_engine_cuNN) is installed"
+    if wrong:
+        return f"{', '.join(wrong)} installed in a CUDA {image_cuda} image: the CUDA majors differ"
+    return None
+
+
 def main(engine: str) -> int:
+    from importlib.metadata import distributions
+
     import torch
 
-    problem = cuda_major_problem(torch.__version__, torch.version.cuda, os.environ.get("CUDA_VERSION"))
+    image_cuda = os.environ.get("CUDA_VERSION")
+    problem = cuda_major_problem(torch.__version__, torch.version.cuda, image_cuda) or \
+        te_core_problem([d.metadata["Name"] for d in distributions()], image_cuda)
     if problem:
         print(f"verify_image: {problem}", file=sys.stderr)
         return 1

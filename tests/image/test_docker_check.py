@@ -118,6 +118,10 @@ def test_verify_image_refuses_a_torch_of_another_cuda_major():
     assert verify_image.cuda_major_problem("2.14.0+cu129", "12.9", "13.0.1") == (
         "torch 2.14.0+cu129 is built for CUDA 12.9 but the image is CUDA 13.0.1: the CUDA majors differ")
     assert "CPU-only" in verify_image.cuda_major_problem("2.14.0+cpu", None, "13.0.1")
+    assert verify_image.te_core_problem(["torch", "transformer_engine", "transformer_engine_cu13"], "13.0.1") is None
+    assert verify_image.te_core_problem(["transformer_engine", "transformer_engine_cu12"], "13.0.1") == (
+        "transformer_engine_cu12 installed in a CUDA 13.0.1 image: the CUDA majors differ")
+    assert "no Transformer-Engine core wheel" in verify_image.te_core_problem(["transformer_engine"], "13.0.1")
 
 
 def _run(cmd: list[str], timeout: int) -> subprocess.CompletedProcess:
