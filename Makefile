@@ -30,7 +30,7 @@ CORE_SETUP := $(if $(filter 3.12,$(PY)),setup,setup-py312)
 # ------------------------------------------------------------------------------------------------------
 
 .PHONY: setup setup-py312 venv-vllm multinode-deps demo demo-eval test test-full test-core test-vllm test-multinode test-fast \
-	bench bench-check
+	bench bench-check docker-check
 setup: $(VENV)/.installed
 setup-py312: $(VENV312)/.installed
 venv-vllm: $(VLLM_VENV)/.installed
@@ -114,6 +114,22 @@ multinode-deps:
 # vllm tests); under 5 minutes on 2 cores. `make test` still runs everything.
 test-fast: setup
 	$(BIN)/python -m pytest tests -m "not slow and not multiprocess and not gpu and not vllm"
+
+# --- the GPU image ---------------------------------------------------------------------------------------
+# docker-check: the pins of docker/Dockerfile (docker/requirements/) resolve, without installing, for Linux
+# x86-64 / CPython 3.12, and torch, vLLM, SGLang, Transformer-Engine and the base image agree on one CUDA
+# major (docker/check_pins.py; tests/image runs it). Needs PyPI; where the index serves no separate wheel
+# metadata (PEP 658) pip downloads every wheel of both sets, minutes (its docstring has the numbers); the
+# reports are then reused from runs/docker-check/ until a pin changes. pip runs in a venv of Python 3.12
+# because it evaluates environment markers with its own interpreter. DOCKER_CHECK_ARGS: extra arguments.
+DOCKER_CHECK_VENV := runs/docker-check/venv
+docker-check: $(DOCKER_CHECK_VENV)/.installed
+	$(DOCKER_CHECK_VENV)/bin/python docker/check_pins.py $(DOCKER_CHECK_ARGS)
+
+$(DOCKER_CHECK_VENV)/.installed:
+	$(if $(PYENV_312),PYENV_VERSION=$(PYENV_312)) $(PYTHON312) -m venv $(DOCKER_CHECK_VENV)
+	$(DOCKER_CHECK_VENV)/bin/pip install -q --upgrade pip packaging
+	touch $@
 
 # --- benchmarks ----------------------------------------------------------------------------------------
 # Benchmark suite (benchmarks/suite.py, benchmarks/README.md): a few minutes on 2 CPU cores.

@@ -87,6 +87,10 @@ def _check_unworkable(cfg: Config) -> None:
                           f"rollout.engine=hf records them so far (vLLM 0.32 on GPU can return them, enable_return_routed_experts "
                           f"-> CompletionOutput.routed_experts, but megarl's {cfg.rollout.engine} adapter does not ask "
                           f"for them yet; docs/moe_routing.md): use rollout.engine=hf or actor.routing_replay=false")
+    if cfg.rollout.engine == "sglang" and cfg.rollout.ignore_eos and cfg.rollout.stop_token_ids:
+        raise ConfigError(f"rollout.ignore_eos with rollout.stop_token_ids = {cfg.rollout.stop_token_ids} on rollout.engine=sglang: "
+                          f"SGLang 0.5.23 stops on its stop ids and the model's eos together, or with ignore_eos on neither; "
+                          f"drop one of the two, or use rollout.engine=vllm or hf")
     uses_ref = alg.use_kl_in_reward or a.use_kl_loss
     if g.kl_threshold > 0 and not uses_ref:
         raise ConfigError("guards.kl_threshold > 0 but there is no KL to watch (algorithm.use_kl_in_reward and "

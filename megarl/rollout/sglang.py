@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -88,13 +89,33 @@ def to_sglang_sampling(sampling: SamplingParams, seed: int) -> dict[str, Any]:
         "top_p": sampling.top_p,
         "top_k": sampling.top_k if sampling.top_k > 0 else -1,
         "stop_token_ids": list(sampling.stop_token_ids),
-        # Stop on stop_token_ids only, as every megarl engine does (the trainer lists eos there
-        # unless rollout.ignore_eos); SGLang would otherwise also stop on the model's own eos ids.
-        "ignore_eos": True,
+        # SGLang 0.5.23 skips stop_token_ids too when ignore_eos is set (Req._check_token_based_finish
+        # returns before looking at them; vLLM does not), so ignore_eos only when nothing is to stop a
+        # response. Otherwise SGLang also stops on the model's own eos ids, which the trainer lists
+        # here anyway; rollout.ignore_eos with stop ids cannot be expressed and the config refuses it.
+        "ignore_eos": not sampling.stop_token_ids,
         "sampling_seed": seed,
         # Banned tokens: -inf before the softmax, so they also leave the log-probs SGLang returns.
         **({"logit_bias": {str(t): float("-inf") for t in sampling.banned_token_ids}} if sampling.banned_token_ids else {}),
     }
+
+
+# torchrun marks its workers with TORCHELASTIC_USE_AGENT_STORE=True. SGLang's scheduler processes
+# inherit the environment at spawn, and torch's c10d rendezvous then makes every one of them a client
+# of the store at tcp://127.0.0.1:<nccl_port> (the agent's, it assumes), so nobody serves that port
+# and all of them retry until the store times out. The owner's own process group is already up.
+AGENT_STORE_VAR = "TORCHELASTIC_USE_AGENT_STORE"
+
+
+@contextmanager
+def hidden_agent_store():
+    """Remove AGENT_STORE_VAR from os.environ while SGLang spawns its schedulers; restore it after."""
+    saved = os.environ.pop(AGENT_STORE_VAR, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[AGENT_STORE_VAR] = saved
 
 
 def parse_output(out: dict) -> tuple[list[int], list[float], str]:
@@ -151,7 +172,8 @@ class SGLangRolloutEngine:
             from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
 
             self._local_serialized_tensor = LocalSerializedTensor
-            self.engine = sglang.Engine(**engine_kwargs(config, self.group_index, local_rank))
+            with hidden_agent_store():
+                self.engine = sglang.Engine(**engine_kwargs(config, self.group_index, local_rank))
             self.engine.release_memory_occupation(tags=list(_ALL_TAGS))
             self._released = set(_ALL_TAGS)
 

@@ -5,6 +5,7 @@ and they reject anything else, so a typo in an adapter fails here instead of on 
 """
 from __future__ import annotations
 
+import os
 import pickle
 import random
 import sys
@@ -197,10 +198,16 @@ def make_fake_sglang(version: str = "0.5.23") -> dict[str, types.ModuleType]:
     wu.LocalSerializedTensor = LocalSerializedTensor
 
     class Engine:
+        # The model's own eos ids (SGLang reads them from the checkpoint's config); tests set them.
+        model_eos_token_ids: tuple[int, ...] = ()
+
         def __init__(self, **kw):
             unknown = set(kw) - SGLANG_ENGINE_KWARGS
             assert not unknown, f"sglang ServerArgs has no fields {unknown}"
             calls.append(("Engine", kw))
+            # The real Engine spawns one scheduler process per TP rank here; each starts with a copy
+            # of os.environ as it is at this moment (what a torchrun variable leaking in would reach).
+            self.scheduler_env = dict(os.environ)
             self.tp_size = kw.get("tp_size", 1)
             self.released: set[str] = set()
             self.in_update = False
@@ -244,9 +251,18 @@ def make_fake_sglang(version: str = "0.5.23") -> dict[str, types.ModuleType]:
             for ids, sp in zip(input_ids, sampling_params):
                 unknown = set(sp) - SGLANG_SAMPLING_KEYS
                 assert not unknown, f"sglang sampling params have no keys {unknown}"
-                toks = fake_tokens(sp["sampling_seed"], ids)
+                toks = fake_tokens(sp["sampling_seed"], ids, sp.get("max_new_tokens", 3))
+                finish = {"type": "length", "length": len(toks)}
+                # SGLang 0.5.23's token-based finish (Req._check_token_based_finish): with ignore_eos it
+                # returns at once, so stop_token_ids are skipped as well as eos; otherwise the first
+                # token in stop_token_ids or the model's eos ids ends the response and is kept.
+                if not sp.get("ignore_eos", False):
+                    stops = set(sp.get("stop_token_ids") or ()) | set(self.model_eos_token_ids)
+                    hit = next((j for j, t in enumerate(toks) if t in stops), None)
+                    if hit is not None:
+                        toks, finish = toks[:hit + 1], {"type": "stop", "matched": toks[hit]}
                 outs.append({"output_ids": toks, "meta_info": {
-                    "id": "x", "finish_reason": {"type": "length", "length": len(toks)},
+                    "id": "x", "finish_reason": finish,
                     "output_token_logprobs": [(-0.25 * (j + 1), t, None) for j, t in enumerate(toks)]}})
             return outs
 
