@@ -122,21 +122,22 @@ def resolve(ref: HubRef, key: str = "model.path", patterns=DOWNLOAD_PATTERNS) ->
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError,
                                         RevisionNotFoundError)
 
-    where = f"the cache searched: {cache_dir()}"
     try:
-        path = snapshot_download(ref.repo_id, revision=ref.revision, cache_dir=cache_dir(), allow_patterns=list(patterns))
+        path = snapshot_download(ref.repo_id, revision=ref.revision, cache_dir=cache_dir(), allow_patterns=list(patterns),
+                                 endpoint=os.environ.get("HF_ENDPOINT"))  # read now, as the cache is (a mirror)
     except RevisionNotFoundError:
         raise HubError(f"{key}: {ref.repo_id} has no revision {ref.revision!r} on the Hugging Face hub; give a branch, "
                        f"tag or commit of it after '@'") from None
     except (RepositoryNotFoundError, GatedRepoError):
         raise HubError(f"{key}: {ref} is not a local directory, and the Hugging Face hub has no model of that id that "
                        f"this machine may read (a typo, or a gated/private model: set HF_TOKEN to a token with access; "
-                       f"{where})") from None
+                       f"cache searched: {cache_dir()})") from None
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as err:
-        reason = " ".join(str(err).split())[:160]
-        raise HubError(f"{key}: cannot download {ref} from the Hugging Face hub ({type(err).__name__}: {reason}) and it "
-                       f"is not in {where}: check the network, or set HF_HUB_CACHE (or HF_HOME) to a cache that holds it "
-                       f"and HF_HUB_OFFLINE=1") from None
+        cause = err.__cause__ or err  # huggingface_hub wraps the connection error it met
+        reason = " ".join(str(cause).split())[:120]
+        raise HubError(f"{key}: cannot download {ref} from the Hugging Face hub ({type(cause).__name__}: {reason}) and "
+                       f"it is not in the cache {cache_dir()}: check the network, or set HF_HUB_CACHE (or HF_HOME) to a "
+                       f"cache that holds it and HF_HUB_OFFLINE=1") from None
     return Snapshot(ref.repo_id, Path(path).name, path)
 
 

@@ -103,6 +103,19 @@ def test_an_uncached_id_offline_is_one_line_naming_id_cache_and_variable(cache):
         hub.local_path("org/name", "--model")
 
 
+def test_an_unreachable_hub_is_one_line_naming_id_cache_and_variable(cache, monkeypatch):
+    """Online, with the hub at a closed port of this machine (nothing leaves it): the download fails."""
+    from conftest import free_port
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(hub.HubError) as err:
+        hub.resolve(hub.HubRef("org/name"), "model.path")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("model.path: cannot download org/name from the Hugging Face hub (")
+    assert f"it is not in the cache {cache}: " in message and "HF_HUB_OFFLINE=1" in message, message
+
+
 def test_every_model_key_is_resolved_and_replaced(cache, tmp_path):
     """critic.model_path and reward.model_path take hub ids too; make_tiny's path never is one."""
     over = ["data.train_files=[t.parquet]", "model.path=org/actor", "critic.model_path=org/critic", "reward.kind=model",
