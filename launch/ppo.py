@@ -5,7 +5,9 @@
 
 Everything about the run is in the config (see docs/configuration.md); `key=value` overrides any
 field, e.g. `trainer.total_steps=10 actor.optim.lr=1e-6`. Configuration mistakes are reported in
-one line with exit code 2, before any process group or model is built.
+one line with exit code 2, before any process group or model is built. A model named by hub id
+(`model.path=Qwen/Qwen2.5-0.5B-Instruct`) is fetched once per node after the process groups exist
+(megarl.hub); validation before them only looks in the cache.
 """
 from __future__ import annotations
 

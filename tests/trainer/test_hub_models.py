@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from conftest import hub_cache, make_model
+from conftest import hub_cache, make_model, torchrun
 from ppo_helpers import launch, launch_ok, small_run_overrides
 from test_launch_errors import run_launch
 
@@ -70,3 +70,10 @@ def test_ppo_from_a_hub_id_offline_and_a_moved_commit_on_resume(tmp_path):
     assert f'hub.model.path.snapshot: "{cache}/models--megarl-test--tiny-llama-digits/snapshots/{COMMIT_A}" -> ' \
            f'"{cache}/models--megarl-test--tiny-llama-digits/snapshots/{COMMIT_B}" (does not change results)' in proc.stdout
     assert json.loads((run_dir / "config_history" / "step_00000003.json").read_text())["hub.model.path.revision"] == COMMIT_B
+
+    # export with no --model: the run's model.path at the commit its last segment recorded (offline)
+    exported = torchrun(0, ["-m", "megarl.tools.export_hf", "--ckpt", str(run_dir / "checkpoints" / "step_00000002"),
+                            "--out", str(tmp_path / "export")], timeout=600, env=env)
+    assert "wrote" in exported.stdout
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["hidden_size"] == TINY["hidden"]
+    assert (tmp_path / "export" / "tokenizer.json").read_text() == (model / "tokenizer.json").read_text()
