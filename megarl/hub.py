@@ -142,9 +142,11 @@ def resolve(ref: HubRef, key: str = "model.path", patterns=DOWNLOAD_PATTERNS) ->
 
 
 def not_cached_message(ref: HubRef, key: str) -> str:
+    """The one line for an id that is not in the cache while HF_HUB_OFFLINE forbids downloading it."""
+    command = f"hf download {ref.repo_id}" + (f" --revision {ref.revision}" if ref.revision else "")
     return (f"{key}: {ref} is not a local directory and not in the Hugging Face cache {cache_dir()} (HF_HUB_OFFLINE is "
-            f"set, so it is not downloaded): download it where there is network (unset HF_HUB_OFFLINE, or `hf download "
-            f"{ref.repo_id}`), or set HF_HUB_CACHE (or HF_HOME) to the cache that holds it")
+            f"set, so it is not downloaded): download it where there is network (unset HF_HUB_OFFLINE, or `{command}`), "
+            f"or set HF_HUB_CACHE (or HF_HOME) to the cache that holds it")
 
 
 def local_path(value: str, key: str, patterns=DOWNLOAD_PATTERNS) -> str:
