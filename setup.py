@@ -16,6 +16,8 @@ setup(
         "megatron-core>=0.16.1,<0.17; python_version < '3.12'",
         "megatron-core>=0.16.1,<0.20; python_version >= '3.12'",
         "transformers>=4.51",
+        # hub ids as model paths (megarl.hub); transformers depends on it too, megarl imports it directly
+        "huggingface_hub>=0.24",
         "safetensors",
         "tokenizers",
         "pyarrow",

@@ -5,7 +5,9 @@
 
 Everything about the run is in the config (see docs/configuration.md); `key=value` overrides any
 field, e.g. `trainer.total_steps=10 actor.optim.lr=1e-6`. Configuration mistakes are reported in
-one line with exit code 2, before any process group or model is built.
+one line with exit code 2, before any process group or model is built. A model named by hub id
+(`model.path=Qwen/Qwen2.5-0.5B-Instruct`) is fetched once per node after the process groups exist
+(megarl.hub); validation before them only looks in the cache.
 """
 from __future__ import annotations
 
@@ -71,8 +73,10 @@ def main(argv=None) -> int:
 
     import torch.distributed as dist
 
+    from megarl import hub
     from megarl.checkpoint import checkpoints_root
     from megarl.checkpoint_io import RunDirLock, RunDirLocked, abandon_newer
+    from megarl.config.inputs import check_model_layout, model_refs, with_snapshots
     from megarl.data.prepare import user_data_files
     from megarl.parallel import ParallelDims
     from megarl.resume_changes import ResumeChangeError, check_resume, record_segment
@@ -115,11 +119,26 @@ def main(argv=None) -> int:
             problem = str(err)
     if fail(problem):
         return 2
+    # Models named by hub id: fetched once per node (a collective), then the layout check that
+    # config validation had to skip while model.path's config.json was not yet here.
+    snapshots, problem = {}, None
+    if model_refs(cfg):
+        snapshots, problem = hub.resolve_on_each_node(model_refs(cfg))
+        if problem is None and rank == 0 and "model.path" in snapshots:
+            try:
+                check_model_layout(cfg, snapshots["model.path"].path)
+            except ConfigError as err:
+                problem = str(err)
+    if fail(problem):
+        return 2
+    records = {**flatten(cfg), **hub.recorded(snapshots)}  # the ids as given, and the commits they resolved to
     if rank == 0:
+        for key, snap in snapshots.items():
+            print(f"{key}: {snap.repo_id} at commit {snap.revision} ({snap.path})", flush=True)
         print(f"megarl: {dims.describe()} | {sizes}", flush=True)
 
     try:
-        trainer = Trainer(cfg, dims)
+        trainer = Trainer(with_snapshots(cfg, snapshots), dims)
         start = trainer.resume_point()
     except (ValueError, FileNotFoundError, ImportError) as err:  # bad data / model files, missing engine
         if rank == 0:
@@ -129,7 +148,7 @@ def main(argv=None) -> int:
     if rank == 0:
         try:  # a changed config on resume is shown, and refused where it breaks exact resume, before loading
             if start is not None:
-                changes = check_resume(run_dir, flatten(cfg), world_size, cfg.trainer.resume_allow_changes)
+                changes = check_resume(run_dir, records, world_size, cfg.trainer.resume_allow_changes)
         except ResumeChangeError as err:
             problem = str(err)
     if fail(problem):
@@ -149,10 +168,10 @@ def main(argv=None) -> int:
             if cfg.trainer.resume not in ("auto", "never") and Path(start).resolve().parent == checkpoints_root(run_dir).resolve():
                 for moved in abandon_newer(checkpoints_root(run_dir), trainer.step):
                     print(f"  newer checkpoint of the abandoned trajectory moved to {moved}", flush=True)
-        save_resolved(cfg, run_dir / "config.yaml")
-        record_segment(run_dir, flatten(cfg), (run_dir / "config.yaml").read_text(), trainer.step + 1, world_size)
+        save_resolved(cfg, run_dir / "config.yaml", footer=hub.describe(snapshots))
+        record_segment(run_dir, records, (run_dir / "config.yaml").read_text(), trainer.step + 1, world_size)
     tracker = Tracker(cfg.tracking, run_dir, rank=rank, total_steps=cfg.trainer.total_steps, start_step=trainer.step + 1,
-                      resume=start is not None, params=flatten(cfg), log_every=cfg.trainer.log_every)
+                      resume=start is not None, params=records, log_every=cfg.trainer.log_every)
     status = "FAILED"
     try:
         trainer.train(tracker)

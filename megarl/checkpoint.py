@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from megarl import hub
 from megarl.checkpoint_io import atomic_dir, cleanup_old_checkpoints, latest_complete_checkpoint, load_plain, remove_leftovers, step_dir
 from megarl.engine.engine import EngineConfig, MegatronEngine
 from megarl.models.weights import save_hf_checkpoint
@@ -86,7 +87,8 @@ def export_hf_main(argv=None) -> int:
     p.add_argument("--ckpt", required=True, help="a checkpoint directory (run_dir/checkpoints/step_XXXXXXXX)")
     p.add_argument("--out", required=True)
     p.add_argument("--role", choices=("actor", "critic"), default="actor")
-    p.add_argument("--model", help="the HF directory the run started from (default: model.path of the run's config)")
+    p.add_argument("--model", help="the HF directory or hub id (org/name[@revision]) the run started from (default: "
+                                   "model.path of the run's config, at the hub commit the run recorded)")
     args = p.parse_args(argv)
 
     ckpt = Path(args.ckpt)
@@ -100,10 +102,16 @@ def export_hf_main(argv=None) -> int:
         if run_config is None:
             print(f"error: pass --model (no resolved config at {resolved})", file=sys.stderr)
             return 2
-        model_dir = run_config["model"]["path"]
+        model_dir = hub.recorded_ref(ckpt.parent.parent, "model.path", run_config["model"]["path"])
     # The run's banned tokens are part of the policy it trained: they go into generation_config.json.
     banned = tuple((run_config or {}).get("rollout", {}).get("banned_token_ids") or ())
     dims = dims_from_env().initialize()
+    try:
+        model_dir = hub.local_path_on_each_node(model_dir, "--model")
+    except hub.HubError as err:
+        if dims.rank == 0:
+            print(f"error: {err}", file=sys.stderr)
+        return 2
     critic = args.role == "critic"
     engine = MegatronEngine(model_dir, dims, EngineConfig(), value_head=critic, trainable=False)
     engine.load(str(ckpt / args.role))

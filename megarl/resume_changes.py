@@ -37,6 +37,8 @@ def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple
 def breaks_exactness(key: str, new: Mapping[str, Any] | None = None) -> bool:
     """Whether changing `key` changes what the resumed run computes. total_steps only matters
     through a learning-rate schedule that spans it (cosine, linear); constant ones ignore it."""
+    if key.startswith("hub.") and key.endswith(".snapshot"):
+        return False  # the same hub commit read from another cache directory: same files
     if key == "trainer.total_steps" and new is not None:
         return any(new.get(f"{role}.optim.schedule", "constant") != "constant" for role in ("actor", "critic"))
     return not any(key == safe or (safe.endswith(".") and key.startswith(safe)) for safe in EXACTNESS_SAFE)

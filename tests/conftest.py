@@ -90,6 +90,28 @@ def make_model(out: Path, arch: str, **overrides) -> Path:
     return out
 
 
+def hub_cache(cache: Path, repo_id: str, model_dir: Path, commit: str, ref: str | None = "main") -> Path:
+    """Put the files of `model_dir` into a Hugging Face hub cache by hand, laid out as huggingface_hub
+    writes it (no network): models--org--name/blobs/<sha256>, snapshots/<commit>/<file> symlinked to
+    its blob, refs/<ref> holding the commit. Returns the snapshot directory."""
+    import hashlib
+
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    for src in sorted(p for p in Path(model_dir).rglob("*") if p.is_file()):
+        data = src.read_bytes()
+        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(data)
+        link = snapshot / src.relative_to(model_dir)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    if ref is not None:
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return snapshot
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """One tiny model per family. The vocabulary (301) is divisible by neither 2 nor 4, so TP pads

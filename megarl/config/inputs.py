@@ -6,9 +6,10 @@ built, so a user sees one line naming the problem instead of a traceback.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
-from megarl import checkpoint_io
+from megarl import checkpoint_io, hub
 from megarl.config.schema import Config, ConfigError
 
 
@@ -32,19 +33,53 @@ def check_resume_path(resume: str) -> None:
         raise ConfigError(f"trainer.resume: {resume} has no {checkpoint_io.COMPLETE} marker (an interrupted save?)")
 
 
+def model_refs(cfg: Config) -> dict[str, hub.HubRef]:
+    """{config key: hub id} for every model the run loads that is named by a hub id rather than a
+    directory (the reference model is model.path; model.make_tiny's path is always a directory)."""
+    named = {"model.path": None if cfg.model.make_tiny.enable else cfg.model.path,
+             "critic.model_path": cfg.critic.model_path if cfg.algorithm.adv_estimator == "gae" else None,
+             "reward.model_path": cfg.reward.model_path if cfg.reward.kind == "model" else None}
+    return {key: ref for key, value in named.items() if (ref := hub.parse_hub_id(value)) is not None}
+
+
+def with_snapshots(cfg: Config, snapshots: dict[str, hub.Snapshot]) -> Config:
+    """A copy of `cfg` whose hub ids are replaced by their snapshot directories: what the trainer loads
+    (the run's records keep the ids, with the snapshots beside them: megarl.hub.recorded)."""
+    sections = {}
+    for key, snap in snapshots.items():
+        section, field = key.split(".")
+        sections.setdefault(section, {})[field] = snap.path
+    return dataclasses.replace(cfg, **{name: dataclasses.replace(getattr(cfg, name), **fields)
+                                       for name, fields in sections.items()})
+
+
 def check_model_path(cfg: Config) -> None:
-    if not os.path.isdir(cfg.model.path) and not cfg.model.make_tiny.enable:
-        raise ConfigError(f"model.path: {cfg.model.path} does not exist (give a Hugging Face model directory, "
-                          f"or set model.make_tiny.enable=true for a tiny random model)")
+    """Each model a directory, or a hub id: with HF_HUB_OFFLINE set it must be in the cache already
+    (a look-up, no network); otherwise it is downloaded once per node after the process groups exist."""
+    refs = model_refs(cfg)
+    if "model.path" not in refs and not os.path.isdir(cfg.model.path) and not cfg.model.make_tiny.enable:
+        raise ConfigError(f"model.path: {cfg.model.path} does not exist (give a Hugging Face model directory or a hub "
+                          f"id such as Qwen/Qwen2.5-0.5B-Instruct, or set model.make_tiny.enable=true for a tiny random model)")
+    if hub.offline():
+        for key, ref in refs.items():
+            if hub.cached(ref) is None:
+                raise ConfigError(hub.not_cached_message(ref, key))
 
 
-def check_model_layout(cfg: Config) -> None:
+def check_model_layout(cfg: Config, model_dir: str | None = None) -> None:
     """The parallel layout against the model's config.json (read by the planner's torch-free
     `megarl.plan.arch`): heads over tp, layers over the pipeline stages (uneven end stages, vpp
-    chunks), experts over ep, expert widths over etp. Skipped while the model is still to be made."""
+    chunks), experts over ep, expert widths over etp. Skipped while the model is still to be made
+    or downloaded. `model_dir`: where model.path's files are (its hub snapshot), default model.path."""
     from megarl.plan.arch import arch_from_config, load_config, stage_layers
 
-    path = os.path.join(cfg.model.path, "config.json")
+    if model_dir is None:
+        ref = None if cfg.model.make_tiny.enable else hub.parse_hub_id(cfg.model.path)
+        snap = hub.cached(ref) if ref is not None else None
+        if ref is not None and snap is None:
+            return  # to be downloaded: the launcher checks again with the snapshot
+        model_dir = cfg.model.path if snap is None else snap.path
+    path = os.path.join(model_dir, "config.json")
     p = cfg.parallel
     if not os.path.isfile(path):
         if cfg.model.make_tiny.enable and cfg.model.make_tiny.arch in TINY_MOE_ARCHS:

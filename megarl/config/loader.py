@@ -180,9 +180,11 @@ def flatten(cfg: Config) -> dict[str, Any]:
     return out
 
 
-def save_resolved(cfg: Config, path: str | os.PathLike) -> None:
-    """Write the fully resolved config as YAML (loadable by load_config)."""
+def save_resolved(cfg: Config, path: str | os.PathLike, footer: str = "") -> None:
+    """Write the fully resolved config as YAML (loadable by load_config); `footer`: comment lines
+    appended (the hub snapshots the run's models resolved to, megarl.hub.describe)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write("# Resolved megarl config: every key, after the config file and overrides.\n")
         yaml.safe_dump(to_dict(cfg), f, sort_keys=False, default_flow_style=None)
+        f.write(footer)

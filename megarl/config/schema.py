@@ -77,7 +77,8 @@ class MakeTinyConfig:
 
 @dataclass
 class ModelConfig:
-    path: str = knob("", "Hugging Face model directory (config.json, tokenizer, safetensors) of the actor")
+    path: str = knob("", "the actor: a Hugging Face model directory (config.json, tokenizer, safetensors) or "
+                          "hub id (org/name[@revision], fetched into the Hugging Face cache; docs/operations.md)")
     dtype: Literal["float32", "bfloat16"] = knob("bfloat16", "parameter / compute dtype (optimizer state stays float32)")
     sequence_packing: bool = knob(True, "remove padding: pack each micro-batch's sequences into one row "
                                         "(Megatron thd format; verl's use_remove_padding); false = right-padded rows")
@@ -197,7 +198,7 @@ class ActorConfig(RoleConfig):
 
 @dataclass
 class CriticConfig(RoleConfig):
-    model_path: Optional[str] = knob(None, "HF directory to initialise the critic trunk from; null = model.path")
+    model_path: Optional[str] = knob(None, "HF directory or hub id to initialise the critic trunk from; null = model.path")
     vf_clip: float = knob(0.5, "value clip range around the rollout values", gt=0)
 
 
@@ -211,7 +212,7 @@ class RewardConfig:
     kind: Literal["auto", "gsm8k", "arithmetic", "function", "model"] = knob(
         "auto", "auto picks the rule by each row's data_source (gsm8k, arithmetic)")
     function: Optional[str] = knob(None, "'module:function' for kind=function, called like megarl.rewards.RewardFn")
-    model_path: Optional[str] = knob(None, "reward model (HF directory with a scalar head) for kind=model")
+    model_path: Optional[str] = knob(None, "reward model (HF directory or hub id, with a scalar head) for kind=model")
     gsm8k_method: Literal["strict", "flexible"] = knob("strict", "strict: answer after '####'; flexible: last number")
     format_score: float = knob(0.0, "score of a well-formed but wrong answer")
 

@@ -34,7 +34,7 @@ def validate(cfg: Config, world_size: int | None = None) -> BatchSizes | None:
     _check_bounds(cfg, "")
     a, alg, r = cfg.actor, cfg.algorithm, cfg.reward
     if not cfg.model.path:
-        raise ConfigError("model.path is required (a Hugging Face model directory)")
+        raise ConfigError("model.path is required (a Hugging Face model directory or hub id)")
     if not cfg.data.train_files:
         raise ConfigError("data.train_files is empty: give at least one Parquet file (launch/prepare_data.py)")
     if alg.adv_estimator in ADV_ESTIMATORS_WITH_GROUPS and cfg.rollout.samples_per_prompt < 2:

@@ -25,12 +25,14 @@ def exact_match(model_dir: str, data_files: list[str], limit: int | None = None,
     import torch
     from transformers import AutoModelForCausalLM
 
+    from megarl import hub
     from megarl.data.tokenizer import load_tokenizer
 
     from megarl.data.dataset import encode_prompt, read_prompt_files
     from megarl.rollout.base import RolloutRequest, SamplingParams
     from megarl.rollout.hf import HFRolloutEngine
 
+    model_dir = hub.local_path(model_dir, "--model")  # a hub id: its snapshot in the Hugging Face cache
     tokenizer = load_tokenizer(model_dir, key="--model")
     if tokenizer.eos_token_id is None:
         raise ValueError(f"{model_dir}: the tokenizer has no eos token; exact match needs one to end answers")
@@ -56,7 +58,7 @@ def exact_match(model_dir: str, data_files: list[str], limit: int | None = None,
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="greedy exact-match accuracy (answer tokens then eos) of a HF model directory")
-    p.add_argument("--model", required=True, help="a Hugging Face model directory (megarl.tools.export_hf writes one)")
+    p.add_argument("--model", required=True, help="a Hugging Face model directory (megarl.tools.export_hf writes one) or hub id (org/name[@revision])")
     p.add_argument("--data", required=True, nargs="+", help="Parquet prompt files (prompt, ground_truth columns)")
     p.add_argument("--limit", type=int, default=None, help="score only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=16)

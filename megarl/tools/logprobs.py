@@ -1,4 +1,5 @@
-"""Per-token log-probs of token sequences under a Megatron-Core model loaded from an HF directory.
+"""Per-token log-probs of token sequences under a Megatron-Core model loaded from an HF directory
+(or a hub id, `org/name[@revision]`, fetched into the Hugging Face cache once per node).
 
     torchrun --nproc_per_node N -m megarl.tools.logprobs --model DIR --tp T --pp P [--ep E] [--etp E] \
         [--vpp V] [--first-stage-layers F] [--last-stage-layers L] \
@@ -78,7 +79,7 @@ def sequence_logprobs(model, spec, dims, sequences: list[list[int]], micro_batch
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="per-token log-probs under a Megatron-Core model")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="a Hugging Face model directory or hub id (org/name[@revision])")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
@@ -92,23 +93,27 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batch-size", type=int, default=4)
     args = p.parse_args(argv)
 
+    from megarl import hub
     from megarl.models import load_model_chunks
     from megarl.models.families import check_layout, load_spec
     from megarl.parallel import dims_from_env
 
     try:
-        spec = load_spec(args.model)  # UnsupportedModelError is a ValueError
-        sequences = read_jsonl_ids(args.input, spec.vocab_size)
         dims = dims_from_env(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, vpp=args.vpp,
                              first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers)
+        # a hub id is fetched once per node, which needs the process group: started here for it
+        model_dir = hub.local_path_on_each_node(args.model, "--model", dims.initialize)
+        spec = load_spec(model_dir)  # UnsupportedModelError is a ValueError
+        sequences = read_jsonl_ids(args.input, spec.vocab_size)
         uneven = args.first_stage_layers is not None or args.last_stage_layers is not None
         check_layout(spec, dims.tp, dims.pp, dims.ep, dims.etp, uneven_stages=uneven)
         dims.stage_layer_counts(spec.num_layers)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    dims.initialize()
-    model, spec = load_model_chunks(args.model, dims, dtype=args.dtype)
+    if not dist.is_initialized():
+        dims.initialize()
+    model, spec = load_model_chunks(model_dir, dims, dtype=args.dtype)
     for chunk in model:
         chunk.eval()
     # Data parallel: replica r handles sequences r, r + dp, ...; results meet on every rank.

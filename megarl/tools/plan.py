@@ -5,6 +5,7 @@
         --rollout-tp 32 --recompute full --param-offload --grad-offload --optimizer-offload \
         --prompts-per-step 32 --samples-per-prompt 16 --prompt-len 512 --response-len 1024 --json plan.json
     python -m megarl.tools.plan --model Qwen2.5-7B --gpus 8 --gpus-per-node 8 --gpu h100-80gb --search
+    python -m megarl.tools.plan --model Qwen/Qwen2.5-7B-Instruct --gpus 8 --search   # a hub id: config.json only
 
 Prints per-GPU memory by phase (training: parameters, gradients, distributed-optimizer state,
 activations; rollout: the weights in the rollout layout and the KV cache; what offload moves),
@@ -21,13 +22,15 @@ import json
 import sys
 from pathlib import Path
 
+from megarl import hub
 from megarl.plan import Cluster, Layout, RunShape, arch_from_config, gpu_table, load_config, plan, search
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m megarl.tools.plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", required=True, help="a Hugging Face config.json, or the directory holding one")
+    p.add_argument("--model", required=True, help="a Hugging Face config.json, the directory holding one, or a hub id (org/name[@revision]: "
+                                                "only its config.json is fetched)")
     c = p.add_argument_group("cluster")
     c.add_argument("--gpus", type=int, required=True, help="GPUs in the run")
     c.add_argument("--gpus-per-node", type=int, default=8)
@@ -88,7 +91,7 @@ def build(args) -> tuple:
     table = gpu_table(args.gpu_table)
     if args.gpu not in table:
         raise ValueError(f"--gpu {args.gpu!r} is not in the GPU table ({', '.join(table)}); add it with --gpu-table FILE.json")
-    arch = arch_from_config(load_config(args.model))
+    arch = arch_from_config(load_config(hub.local_path(args.model, "--model", hub.CONFIG_ONLY)))
     lay = Layout(tp=args.tp, pp=args.pp, vpp=args.vpp, first_stage_layers=args.first_stage_layers,
                  last_stage_layers=args.last_stage_layers, ep=args.ep, etp=args.etp, cp=args.cp, rollout_tp=args.rollout_tp)
     shape = RunShape(prompts_per_step=args.prompts_per_step, samples_per_prompt=args.samples_per_prompt, prompt_len=args.prompt_len,

@@ -44,9 +44,11 @@ def small_run_overrides(root: Path, run_dir: Path, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
-def launch(nproc: int, overrides: list[str], config: str = "configs/tiny_cpu.yaml", timeout: int = 900) -> subprocess.CompletedProcess:
-    """Run the trainer; nproc 0 means plain `python launch/ppo.py` (one process, no torchrun)."""
-    return torchrun(nproc, ["launch/ppo.py", "--config", config, *overrides], timeout=timeout, check=False)
+def launch(nproc: int, overrides: list[str], config: str = "configs/tiny_cpu.yaml", timeout: int = 900,
+           env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the trainer; nproc 0 means plain `python launch/ppo.py` (one process, no torchrun);
+    `env`: variables added to this process's environment."""
+    return torchrun(nproc, ["launch/ppo.py", "--config", config, *overrides], timeout=timeout, check=False, env=env)
 
 
 def launch_ok(nproc: int, overrides: list[str], **kw) -> subprocess.CompletedProcess:

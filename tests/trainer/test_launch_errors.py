@@ -8,9 +8,9 @@ import pytest
 from conftest import torchrun
 
 
-def run_launch(args: list[str], world_size: int = 1) -> subprocess.CompletedProcess:
+def run_launch(args: list[str], world_size: int = 1, env: dict | None = None) -> subprocess.CompletedProcess:
     """One plain process that believes it is one of world_size (the checks run before any rendezvous)."""
-    return torchrun(0, ["launch/ppo.py", *args], timeout=120, env={"WORLD_SIZE": str(world_size)}, check=False)
+    return torchrun(0, ["launch/ppo.py", *args], timeout=120, env={"WORLD_SIZE": str(world_size), **(env or {})}, check=False)
 
 
 @pytest.mark.parametrize(
