@@ -74,6 +74,7 @@ def main(argv=None) -> int:
     from megarl.checkpoint import checkpoints_root
     from megarl.checkpoint_io import RunDirLock, RunDirLocked, abandon_newer
     from megarl.data.prepare import user_data_files
+    from megarl.dynamic_sampling import NotEnoughGroups
     from megarl.parallel import ParallelDims
     from megarl.resume_changes import ResumeChangeError, check_resume, record_segment
     from megarl.rewards import RewardError
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
     try:
         trainer.train(tracker)
         status = "FINISHED"
-    except RewardError as err:  # raised on every rank together (the check is collective)
+    except (RewardError, NotEnoughGroups) as err:  # raised on every rank together (both checks are collective)
         if rank == 0:
             print(f"error: {err}", file=sys.stderr)
         return 2
