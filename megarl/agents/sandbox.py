@@ -77,6 +77,17 @@ class SandboxResult:
     timed_out: bool
     output_truncated: bool = False
 
+    def observation(self, max_chars: int = 2000) -> str:
+        """The text an environment shows the policy: stdout, stderr, then a note when the program
+        did not end normally; cut to the last max_chars (tracebacks end with the error)."""
+        notes = (["[timed out]"] if self.timed_out else []) + (["[output truncated]"] if self.output_truncated else []) \
+            + ([f"[exit code {self.exit_code}]"] if self.exit_code != 0 and not self.timed_out else [])
+        text = self.stdout + self.stderr
+        if notes and text and not text.endswith("\n"):
+            text += "\n"
+        text += "".join(f"{note}\n" for note in notes)
+        return text[-max_chars:]
+
 
 def run_python(code: str, timeout_s: float = 10.0, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
     """Run `code` with the interpreter's base Python inside the sandbox; at most timeout_s of wall time."""

@@ -150,6 +150,42 @@ for host in ("127.0.0.1", "localhost", "10.0.0.1", "8.8.8.8"):
 
 
 @needs_sandbox
+def test_cannot_reach_a_host_unix_socket_or_signal_host_processes():
+    name = f"\0megarl-sandbox-test-{os.getpid()}"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(name)  # abstract namespace: no file to hide, scoped by the network namespace
+    server.listen(1)
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    code = f"""
+import os, signal, socket
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect({name!r})
+    print("CONNECTED")
+except OSError as e:
+    print("REFUSED", type(e).__name__)
+for pid in ({victim.pid}, {os.getpid()}):
+    try:
+        os.kill(pid, signal.SIGKILL)
+        print("KILLED", pid)
+    except OSError as e:
+        print("NO-SIGNAL", type(e).__name__)
+try:
+    os.kill(-1, signal.SIGKILL)  # every process it may signal: none (its namespace's process 1 is exempt)
+except ProcessLookupError:
+    print("NOBODY")
+"""
+    try:
+        result = run_python(code, timeout_s=30)
+        assert victim.poll() is None  # the host process the sandbox tried to kill still runs
+    finally:
+        victim.kill()
+        server.close()
+    assert result.stdout.startswith("REFUSED") and "KILLED" not in result.stdout, result
+    assert result.stdout.count("NO-SIGNAL") == 2 and result.stdout.endswith("NOBODY\n")
+
+
+@needs_sandbox
 def test_fork_bomb_is_contained():
     limits = SandboxLimits(processes=8)
     code = """
@@ -261,3 +297,13 @@ def test_package_import_stays_light():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO,
                          env={**os.environ, "PYTHONPATH": str(REPO)}, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_result_as_an_observation():
+    from megarl.agents.sandbox import SandboxResult
+
+    assert SandboxResult("45\n", "", 0, False).observation() == "45\n"
+    assert SandboxResult("", "Traceback ...\nZeroDivisionError: division by zero\n", 1, False).observation(40) == \
+        "ZeroDivisionError: division by zero\n[exit code 1]\n"[-40:]
+    assert SandboxResult("partial", "", -9, True).observation() == "partial\n[timed out]\n"
+    assert SandboxResult("x" * 10, "", -9, False, True).observation() == "x" * 10 + "\n[output truncated]\n[exit code -9]\n"
