@@ -190,11 +190,12 @@ def _availability() -> str | None:
                 f"as uid {os.geteuid()}")
     if shutil.which("unshare") is None:
         return "the unshare command (util-linux) is not on PATH: install util-linux"
-    probe = subprocess.run([shutil.which("unshare"), "--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "true"],
-                           capture_output=True, text=True, timeout=30)
+    # the exact flags run_python uses (--kill-child needs util-linux >= 2.32; busybox's unshare lacks it)
+    flags = ["--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child"]
+    probe = subprocess.run([shutil.which("unshare"), *flags, "true"], capture_output=True, text=True, timeout=30)
     if probe.returncode != 0:
-        return (f"`unshare --mount --net --pid --ipc --uts --fork` failed ({probe.stderr.strip() or probe.returncode}): "
-                f"the container must allow creating namespaces (e.g. docker --privileged or CAP_SYS_ADMIN)")
+        return (f"`unshare {' '.join(flags)}` failed ({probe.stderr.strip() or probe.returncode}): the container must "
+                f"allow creating namespaces (e.g. docker --privileged or CAP_SYS_ADMIN) and unshare must be util-linux's")
     return None
 
 

@@ -291,6 +291,19 @@ def test_refuses_without_root(monkeypatch):
         sandbox._availability.cache_clear()
 
 
+def test_refuses_without_unshare(monkeypatch):
+    real_which = sandbox.shutil.which
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None if name == "unshare" else real_which(name))
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    sandbox._availability.cache_clear()
+    try:
+        with pytest.raises(SandboxUnavailable, match=r"the unshare command \(util-linux\) is not on PATH"):
+            run_python("print(1)")
+    finally:
+        monkeypatch.undo()
+        sandbox._availability.cache_clear()
+
+
 def test_package_import_stays_light():
     """megarl.agents imports no torch (an environment may run without it)."""
     probe = "import sys, megarl.agents; print('torch' in sys.modules)"
