@@ -78,6 +78,7 @@ def main(argv=None) -> int:
     from megarl.checkpoint_io import RunDirLock, RunDirLocked, abandon_newer
     from megarl.config.inputs import check_model_layout, model_refs, with_snapshots
     from megarl.data.prepare import user_data_files
+    from megarl.dynamic_sampling import NotEnoughGroups
     from megarl.parallel import ParallelDims
     from megarl.resume_changes import ResumeChangeError, check_resume, record_segment
     from megarl.rewards import RewardError
@@ -176,7 +177,7 @@ def main(argv=None) -> int:
     try:
         trainer.train(tracker)
         status = "FINISHED"
-    except RewardError as err:  # raised on every rank together (the check is collective)
+    except (RewardError, NotEnoughGroups) as err:  # raised on every rank together (both checks are collective)
         if rank == 0:
             print(f"error: {err}", file=sys.stderr)
         return 2

@@ -54,6 +54,14 @@ class GlobalBatch:
             return tensors
         return {k: torch.cat(all_gather_host(t, self.dims.dp_group, self.dims.dp)) for k, t in tensors.items()}
 
+    def gather_objects(self, obj) -> list:
+        """Every DP rank's picklable `obj`, in DP-rank order."""
+        if self.dims.dp == 1:
+            return [obj]
+        out: list = [None] * self.dims.dp
+        dist.all_gather_object(out, obj, group=self.dims.dp_group)
+        return out
+
     def reduce(self, stats: LocalStats) -> dict[str, float]:
         """Every statistic in `stats` over the global batch, in one all-gather over the DP group."""
         ratios, totals, maxima = list(stats.ratios), list(stats.totals), list(stats.maxima)

@@ -12,10 +12,13 @@ from megarl.global_batch import LocalStats
 
 def local_stats(*, scores: torch.Tensor, token_rewards: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
                 returns: torch.Tensor, entropy: torch.Tensor, prompt_tokens: int, max_new_tokens: int,
-                rollout_prob_diff: torch.Tensor, old_values: torch.Tensor | None) -> LocalStats:
+                rollout_prob_diff: torch.Tensor, old_values: torch.Tensor | None,
+                samples_per_prompt: int = 1, overlong_from: int | None = None) -> LocalStats:
     """This rank's partial statistics; every tensor is [m] or [m, R] over this rank's m samples,
     mask the [m, R] response mask. rollout_prob_diff: |p_rollout - p_actor| per token (verl's
-    training/rollout_probs_diff)."""
+    training/rollout_probs_diff). The samples are prompt-major, samples_per_prompt per prompt (a rank
+    holds whole groups); overlong_from: the length past which
+    DAPO's overlong penalty applies (None: off)."""
     stats = LocalStats()
     stats.mean("critic/score/mean", scores)
     stats.max("critic/score/max", scores)
@@ -32,6 +35,12 @@ def local_stats(*, scores: torch.Tensor, token_rewards: torch.Tensor, mask: torc
     stats.sum("tokens", mask.sum() + torch.tensor(float(prompt_tokens)))
     if old_values is not None:
         stats.masked_mean("critic/values/mean", old_values, mask)
+    if samples_per_prompt > 1:
+        # trained groups whose samples all score the same: no GRPO/RLOO signal (0 under dynamic sampling)
+        grouped = scores.reshape(-1, samples_per_prompt)
+        stats.sum("train/uniform_groups", (grouped.max(-1).values == grouped.min(-1).values).float())
+    if overlong_from is not None:
+        stats.sum("reward/overlong_penalised", (response_len > overlong_from).float())
     return stats
 
 
@@ -66,6 +75,9 @@ def step_metrics(*, batch_stats: dict[str, float], update: dict[str, float], rew
         "training/rollout_probs_diff_max": batch_stats["training/rollout_probs_diff_max"],
         **timing,
     })
+    for name in ("train/uniform_groups", "reward/overlong_penalised"):
+        if name in batch_stats:
+            metrics[name] = batch_stats[name]
     if "critic/values/mean" in batch_stats:
         metrics["critic/values/mean"] = batch_stats["critic/values/mean"]
         metrics["critic/vf_explained_var"] = explained_var

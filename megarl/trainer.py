@@ -35,6 +35,7 @@ from megarl import checkpoint, heartbeat
 from megarl.config import Config
 from megarl.data.dataset import PromptDataset, PromptRow
 from megarl.data.tokenizer import load_tokenizer
+from megarl.dynamic_sampling import FilteredRollout, generate_filtered
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
 from megarl.global_batch import GlobalBatch
@@ -50,6 +51,7 @@ from megarl.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch
 from megarl.rewards import build_reward_fn
 from megarl.rewards.decode import check_token_ids, response_text
 from megarl.rewards.model import RewardModel
+from megarl.rewards.overlong import overlong_penalty
 from megarl.rollout import build_rollout
 from megarl.rollout.base import RolloutRequest, SamplingParams
 from megarl.samples import RolloutBatch, Sample, to_rollout_batch
@@ -255,9 +257,11 @@ class Trainer:
         with clock("timing_s/sync"):
             sync = self.hybrid.hand_over(self.rollout, self._offload_all, self._actor_shards())
 
-        # 2. Generate samples_per_prompt responses to this rank's prompts.
+        # 2. Generate samples_per_prompt responses to this rank's prompts (with DAPO's dynamic
+        # sampling: rounds of prompts until prompts_per_step groups have a score spread, scored).
         with clock("timing_s/gen"):
-            samples = self._generate(self.data.next_step(), self.sampling)
+            filtered = self._generate_filtered() if alg.filter_groups.enable else None
+            samples = filtered.samples if filtered else self._generate(self.data.next_step(), self.sampling)
             self.rollout.release_memory()
         rollout_batch = to_rollout_batch(samples, self.sampling.n, self.sampling.max_new_tokens)
         batch, mask = rollout_batch.batch, rollout_batch.batch.response_mask
@@ -281,7 +285,7 @@ class Trainer:
 
         # 4. Rewards: the reward function's score on the last response token, minus the KL penalty.
         with clock("timing_s/reward"):
-            scores = torch.tensor(self._score(samples), dtype=torch.float32)
+            scores = torch.tensor(filtered.scores if filtered else self._score(samples), dtype=torch.float32)
             token_scores = _scores_at_last_token(scores, mask)
             token_rewards, reward_kl = token_scores, 0.0
             if alg.use_kl_in_reward:
@@ -314,6 +318,8 @@ class Trainer:
             scores=scores, token_rewards=token_rewards, mask=mask, advantages=batch.tensors["advantages"],
             returns=batch.tensors["returns"], entropy=entropy, prompt_tokens=sum(batch.prompt_lens),
             max_new_tokens=self.sampling.max_new_tokens, old_values=batch.tensors.get("old_values"),
+            samples_per_prompt=self.sampling.n,
+            overlong_from=self.sampling.max_new_tokens - cfg.reward.overlong_buffer.len if cfg.reward.overlong_buffer.len else None,
             rollout_prob_diff=token_prob_diff(rollout_batch.rollout_logprobs, batch.tensors["old_logprobs"], mask)))
         after = self.guards.after_update(batch_stats["critic/score/mean"], all(math.isfinite(v) for v in update.values()))
         self._apply_guard_actions(after)
@@ -327,6 +333,7 @@ class Trainer:
             memory=_memory_metrics(), resident=self._resident_metrics(resident), timing=timing,
             world_size=self.dims.world_size, explained_var=explained_var, guard_events=events)
         metrics["training/hybrid_sync_direct"] = float(self.weight_path == "direct")  # 1: shards into vLLM's parameters
+        metrics.update(filtered.metrics if filtered else {})
         return StepResult(metrics, events)
 
     def validate(self) -> dict[str, float]:
@@ -353,10 +360,25 @@ class Trainer:
         return samples
 
     def _score(self, samples: list[Sample]) -> list[float]:
-        """The reward function's score of each sample."""
+        """The reward function's score of each sample, plus DAPO's overlong penalty when
+        reward.overlong_buffer.len is set (megarl.rewards.overlong)."""
         prompts = [s.prompt for s in samples]
-        return self.reward_fn([p.prompt for p in prompts], [s.text for s in samples], [p.ground_truth for p in prompts],
-                              [p.data_source for p in prompts], [p.extra for p in prompts])
+        scores = self.reward_fn([p.prompt for p in prompts], [s.text for s in samples], [p.ground_truth for p in prompts],
+                                [p.data_source for p in prompts], [p.extra for p in prompts])
+        buffer = self.cfg.reward.overlong_buffer
+        if buffer.len:
+            scores = [score + overlong_penalty(len(s.response_ids), self.cfg.rollout.max_new_tokens, buffer.len,
+                                               buffer.penalty_factor) for score, s in zip(scores, samples)]
+        return scores
+
+    def _generate_filtered(self) -> FilteredRollout:
+        """DAPO dynamic sampling (megarl.dynamic_sampling): scored samples of prompts_per_step groups
+        with a score spread, this rank's block; collective over the DP group."""
+        return generate_filtered(self.data.next_step, lambda prompts: self._generate(prompts, self.sampling), self._score,
+                                 self.global_batch.gather_objects, prompts_per_step=self.cfg.data.prompts_per_step,
+                                 samples_per_prompt=self.sampling.n,
+                                 max_rounds=self.cfg.algorithm.filter_groups.max_num_gen_batches,
+                                 dp_rank=self.dims.dp_rank, dp_size=self.dims.dp)
 
     @property
     def _greedy(self) -> SamplingParams:

@@ -208,6 +208,13 @@ class RefConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    len: int = knob(0, "DAPO's soft overlong penalty: responses longer than rollout.max_new_tokens - len tokens lose score "
+                       "linearly, up to penalty_factor at max_new_tokens (verl's reward.overlong_buffer); 0 = off", ge=0)
+    penalty_factor: float = knob(1.0, "score taken from a response of rollout.max_new_tokens tokens", ge=0)
+
+
+@dataclass
 class RewardConfig:
     kind: Literal["auto", "gsm8k", "arithmetic", "function", "model"] = knob(
         "auto", "auto picks the rule by each row's data_source (gsm8k, arithmetic)")
@@ -215,6 +222,7 @@ class RewardConfig:
     model_path: Optional[str] = knob(None, "reward model (HF directory or hub id, with a scalar head) for kind=model")
     gsm8k_method: Literal["strict", "flexible"] = knob("strict", "strict: answer after '####'; flexible: last number")
     format_score: float = knob(0.0, "score of a well-formed but wrong answer")
+    overlong_buffer: OverlongBufferConfig = section(OverlongBufferConfig, "DAPO's soft overlong penalty, added to every score")
 
 
 @dataclass
@@ -228,6 +236,14 @@ class KLControlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    enable: bool = knob(False, "DAPO dynamic sampling: drop groups whose samples all score the same (no advantage "
+                               "signal) and generate from further prompts until data.prompts_per_step groups remain")
+    max_num_gen_batches: int = knob(10, "generation rounds per step (each of data.prompts_per_step prompts) before the "
+                                        "step fails with an error naming this knob", ge=1)
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "remax"] = knob(
         "gae", "advantage estimator; gae trains a critic")
@@ -237,6 +253,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = knob(False, "subtract kl_coef * KL(actor || ref) from the token rewards")
     kl_penalty: KLKind = knob("kl", "KL estimator of the in-reward penalty")
     kl_ctrl: KLControlConfig = section(KLControlConfig, "KL coefficient controller")
+    filter_groups: FilterGroupsConfig = section(FilterGroupsConfig, "DAPO dynamic sampling (verl's algorithm.filter_groups)")
 
 
 @dataclass

@@ -52,6 +52,12 @@ def validate(cfg: Config, world_size: int | None = None) -> BatchSizes | None:
     if alg.kl_ctrl.max_coef is not None and alg.kl_ctrl.max_coef < alg.kl_ctrl.min_coef:
         raise ConfigError(f"algorithm.kl_ctrl.max_coef = {alg.kl_ctrl.max_coef} is below "
                           f"algorithm.kl_ctrl.min_coef = {alg.kl_ctrl.min_coef}")
+    if alg.filter_groups.enable and cfg.rollout.samples_per_prompt < 2:
+        raise ConfigError("algorithm.filter_groups.enable drops groups whose samples all score the same, which every "
+                          f"group of one sample does: set rollout.samples_per_prompt >= 2 (got {cfg.rollout.samples_per_prompt})")
+    if r.overlong_buffer.len > cfg.rollout.max_new_tokens:
+        raise ConfigError(f"reward.overlong_buffer.len = {r.overlong_buffer.len} is longer than rollout.max_new_tokens = "
+                          f"{cfg.rollout.max_new_tokens}: the buffer is the last part of the response length limit")
     _check_unworkable(cfg)
     p = cfg.parallel
     # Accepted by ParallelDims, not yet by the engine's forward paths: refuse rather than run wrong.
