@@ -52,7 +52,11 @@ def check_resume(run_dir: str | Path, new_flat: Mapping[str, Any], world_size: i
     if last is None:
         return []
     new = {**new_flat, WORLD_SIZE_KEY: world_size}
-    changes = config_changes(last, new)
+    # A key the last segment never recorded was added to megarl since; at its default it keeps the
+    # behaviour the segment ran with (new features default off), so it is no change.
+    defaults = _schema_defaults()
+    changes = [(k, a, b) for k, a, b in config_changes(last, new)
+               if not (k not in last and k in defaults and _norm(b) == _norm(defaults[k]))]
     lines = [f"{k}: {_show(a)} -> {_show(b)}" + ("" if breaks_exactness(k, new) else " (does not change results)")
              for k, a, b in changes]
     breaking = [f"{k}: {_show(a)} -> {_show(b)}" for k, a, b in changes if breaks_exactness(k, new)]
@@ -71,6 +75,13 @@ def record_segment(run_dir: str | Path, flat: Mapping[str, Any], resolved_yaml: 
     path.write_text(f"# {WORLD_SIZE_KEY}: {world_size}\n" + resolved_yaml)
     (history / f"step_{start_step:08d}.json").write_text(json.dumps({**flat, WORLD_SIZE_KEY: world_size}, default=str))
     return path
+
+
+def _schema_defaults() -> dict[str, Any]:
+    from megarl.config.loader import flatten
+    from megarl.config.schema import Config
+
+    return flatten(Config())
 
 
 def _last_segment(run_dir: Path) -> dict | None:

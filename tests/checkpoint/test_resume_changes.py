@@ -53,3 +53,18 @@ def test_total_steps_breaks_exactness_only_under_a_schedule_that_spans_it(tmp_pa
     record_segment(tmp_path / "b", constant, "", start_step=1, world_size=1)
     assert check_resume(tmp_path / "b", {**constant, "trainer.total_steps": 20}, world_size=1, allow=False) == [
         "trainer.total_steps: 10 -> 20 (does not change results)"]
+
+
+def test_a_key_added_since_the_last_segment_is_no_change_at_its_default(tmp_path):
+    # A run checkpointed by an older megarl has no record of keys added since; at their defaults
+    # they keep its behaviour, so resuming it is not refused. Set to another value, they are a change.
+    from megarl.config.loader import flatten
+    from megarl.config.schema import Config
+
+    full = {**flatten(Config()), "model.path": "m"}
+    older = {k: v for k, v in full.items() if k != "rollout.top_k"}
+    record_segment(tmp_path, older, "{}\n", start_step=0, world_size=2)
+    assert check_resume(tmp_path, full, world_size=2, allow=False) == []
+    changed = {**full, "rollout.top_k": 5}
+    with pytest.raises(ResumeChangeError, match="rollout.top_k"):
+        check_resume(tmp_path, changed, world_size=2, allow=False)
