@@ -18,6 +18,7 @@ its points of the re-run steps and drops the new ones (the values agree when the
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -59,7 +60,7 @@ class WandbLogger:
         id_file = run_dir / RUN_ID_FILE
         run_id = id_file.read_text().strip() if id_file.exists() else None
         if run_id is None or not resume:  # a fresh start is a new W&B run
-            run_id = wandb.util.generate_id()
+            run_id = secrets.token_hex(4)  # W&B run ids: lowercase letters and digits
             id_file.write_text(run_id + "\n")
         if self.mode == "offline":
             _set_aside(run_dir, run_id)
