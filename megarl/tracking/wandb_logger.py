@@ -86,7 +86,12 @@ class WandbLogger:
         self.run.log({f"events/{name}": 1.0}, step=step)
 
     def close(self, status: str) -> None:
+        import wandb
+
         self.run.finish(exit_code=0 if status == "FINISHED" else 1)
+        # finish() returns before W&B's core process has written the run file to the end (read
+        # back at once, it lacked history rows); teardown waits for that process to exit.
+        wandb.teardown()
 
 
 def _set_aside(run_dir: Path, run_id: str) -> None:
