@@ -141,3 +141,20 @@ def test_the_profiled_step_names_every_phase_of_ppo_step(watched_run):
     trace = json.loads(trace_path(run_dir, 2, 0).read_text())
     names = {e.get("name") for e in trace["traceEvents"]}
     assert {f"ppo_step/{p}" for p in PHASES} | {"ppo_step 2", "sync/bucket_0"} <= names
+
+
+def test_the_report_of_the_run_draws_its_metrics_file(watched_run, tmp_path):
+    from megarl.tools.report import build_report
+
+    run_dir = watched_run["run_dir"]
+    drawn = build_report([run_dir], tmp_path / "report.html")
+    rows = [r for r in read_metrics_file(run_dir / "metrics.jsonl") if "event" not in r]
+    label = run_dir.name
+    for png, metric in (("report_score.png", "critic/score/mean"), ("report_score.png", "val/score/mean"),
+                        ("report_kl_coef.png", "actor/reward_kl_penalty_coeff"), ("report_entropy.png", "actor/entropy"),
+                        ("report_losses.png", "critic/vf_loss"), ("report_grad_norms.png", "actor/grad_norm"),
+                        ("report_response_length.png", "response_length/mean"), ("report_memory.png", "perf/cpu_rss_gb")):
+        assert drawn[png][label][metric] == ([r["step"] for r in rows], [r[metric] for r in rows]), (png, metric)
+    shares = drawn["report_phase_share.png"][label]
+    assert set(shares) == {f"timing_s/{p}" for p in PHASES}
+    assert shares["timing_s/gen"][1] == [r["timing_s/gen"] / r["timing_s/step"] for r in rows]
