@@ -60,7 +60,11 @@ class PrometheusExporter:
         for guard in GUARDS:
             self.guards.labels(guard)
         self.gauges: dict[str, Any] = {}
-        self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
+        try:
+            self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as err:
+            raise ValueError(f"tracking.prometheus_port={port}: cannot serve metrics on {host}:{port} "
+                             f"({err.strerror or err}); choose a free port (0 picks one) or another tracking.prometheus_host") from None
         self.host, self.port = host, self.server.server_port
 
     def log(self, values: Mapping[str, float | None], step: int) -> None:

@@ -51,3 +51,14 @@ def test_prometheus_names_and_the_dashboard_queries():
     assert all(dashboard_exprs()) and {"megarl_step", "megarl_perf_rollout_tokens_per_second_per_gpu",
                                        "megarl_guard_firings_total", "process_resident_memory_bytes"} <= names
     assert not any(w in names for w in ("increase", "guard", "10m"))
+
+
+def test_a_busy_port_is_one_line_naming_the_key(tmp_path):
+    import pytest
+
+    first = Tracker(TrackingConfig(loggers=[], prometheus_port=0), tmp_path / "a")
+    port = first.prometheus.port
+    with pytest.raises(ValueError, match=rf"^tracking.prometheus_port={port}: cannot serve metrics on 127.0.0.1:{port} "
+                                         r"\(Address already in use\); choose a free port"):
+        Tracker(TrackingConfig(loggers=[], prometheus_port=port), tmp_path / "b")
+    first.close()
