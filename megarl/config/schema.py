@@ -260,7 +260,8 @@ Logger = Literal["console", "jsonl", "mlflow", "tensorboard", "wandb"]
 class TrackingConfig:
     loggers: list[Logger] = knob(["console", "jsonl", "mlflow"], "where step metrics go: console (progress bar or lines), "
                                  "jsonl (<run_dir>/metrics.jsonl), mlflow, tensorboard (<run_dir>/tensorboard), wandb")
-    mlflow: Optional[bool] = knob(None, "older spelling, still read: true adds mlflow to tracking.loggers, false removes it")
+    mlflow: Optional[bool] = knob(None, "older switch, still read: false removes mlflow from tracking.loggers; true "
+                                  "needs mlflow in tracking.loggers")
     tracking_uri: Optional[str] = knob(None, "MLflow tracking URI; null = a local store inside trainer.run_dir")
     experiment: str = knob("megarl", "MLflow experiment name")
     run_name: Optional[str] = knob(None, "MLflow run name; null = basename of trainer.run_dir")
@@ -276,10 +277,8 @@ class TrackingConfig:
                                 "0.0.0.0 for a Prometheus on another machine)")
 
     def active_loggers(self) -> tuple[str, ...]:
-        """tracking.loggers with the older tracking.mlflow switch applied, in LOGGERS order."""
-        chosen = set(self.loggers)
-        if self.mlflow is not None:
-            (chosen.add if self.mlflow else chosen.discard)("mlflow")
+        """tracking.loggers less mlflow when the older switch tracking.mlflow is false, in LOGGERS order."""
+        chosen = set(self.loggers) - ({"mlflow"} if self.mlflow is False else set())
         return tuple(name for name in LOGGERS if name in chosen)
 
 

@@ -100,6 +100,9 @@ def _check_unworkable(cfg: Config) -> None:
 def _check_monitoring(cfg: Config) -> None:
     t, run = cfg.tracking, cfg.trainer
     loggers = t.active_loggers()
+    if t.mlflow is True and "mlflow" not in loggers:  # the default loggers hold mlflow: these were chosen
+        raise ConfigError(f"tracking.mlflow=true (the older switch) but tracking.loggers={list(t.loggers)} has no mlflow: "
+                          f"add mlflow to tracking.loggers, or drop tracking.mlflow")
     if "wandb" in loggers and "jsonl" not in loggers:
         raise ConfigError("tracking.loggers has wandb without jsonl: a resumed W&B run is rebuilt from metrics.jsonl "
                           "(so no step appears twice); add jsonl to tracking.loggers")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import REPO
 from logger_files import tensorboard_scalars, wandb_history
 from megarl.config import ConfigError, TrackingConfig, check_monitor_packages, load_config, validate
 from megarl.tracking import Tracker, read_metrics_file
@@ -74,8 +75,15 @@ def test_tensorboard_keeps_float32_of_each_value(tmp_path):
 def test_old_mlflow_switch_and_logger_choice(tmp_path):
     cfg = load_config(None, BASE + ["tracking.mlflow=false"])
     assert cfg.tracking.active_loggers() == ("console", "jsonl")
-    cfg = load_config(None, BASE + ["tracking.loggers=[wandb,jsonl]", "tracking.mlflow=true"])
+    cfg = load_config(None, BASE + ["tracking.loggers=[wandb,jsonl,mlflow]", "tracking.mlflow=true"])
     assert cfg.tracking.active_loggers() == ("jsonl", "mlflow", "wandb")
+    with pytest.raises(ConfigError, match=r"tracking.mlflow=true \(the older switch\) but tracking.loggers=\['jsonl'\] has no "
+                                          r"mlflow: add mlflow to tracking.loggers, or drop tracking.mlflow"):
+        validate(load_config(None, BASE + ["tracking.loggers=[jsonl]", "tracking.mlflow=true"]))
+    # verl-style choices on any shipped config: exactly what was asked for
+    for config in sorted((REPO / "configs").glob("*.yaml")):
+        chosen = load_config(str(config), ["tracking.loggers=[console,tensorboard]"]).tracking
+        assert chosen.active_loggers() == ("console", "tensorboard"), config.name
     assert load_config(None, BASE).tracking.active_loggers() == ("console", "jsonl", "mlflow")
     with pytest.raises(ConfigError, match=r"tracking.loggers: 'neptune' is not one of console, jsonl, mlflow"):
         load_config(None, BASE + ["tracking.loggers=[neptune]"])
