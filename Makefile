@@ -29,7 +29,7 @@ FULL_SETUP := $(if $(filter 3.12,$(PY)),setup-py312,setup)
 CORE_SETUP := $(if $(filter 3.12,$(PY)),setup,setup-py312)
 # ------------------------------------------------------------------------------------------------------
 
-.PHONY: setup setup-py312 venv-vllm multinode-deps demo demo-eval test test-full test-core test-vllm test-multinode test-fast \
+.PHONY: setup setup-py312 venv-vllm multinode-deps monitor-deps demo demo-eval test test-full test-core test-vllm test-multinode test-fast \
 	bench bench-check docker-check
 setup: $(VENV)/.installed
 setup-py312: $(VENV312)/.installed
@@ -78,7 +78,7 @@ demo-eval: setup
 # downloads: they run in the background while the CPU-bound full suite runs (log: runs/envs.log), which
 # saves about ten minutes in CI; the image test then reads the resolved reports (seconds).
 DOCKER_TEST := tests/image/test_docker_check.py::test_make_docker_check_passes_on_the_image_and_fails_on_the_old_one
-test: $(FULL_SETUP) multinode-deps
+test: $(FULL_SETUP) multinode-deps monitor-deps
 	@mkdir -p runs; \
 	$(MAKE) --no-print-directory $(CORE_SETUP) venv-vllm docker-check > runs/envs.log 2>&1 & envs=$$!; \
 	status=0; \
@@ -90,7 +90,7 @@ test: $(FULL_SETUP) multinode-deps
 	exit $$status
 
 # The cross-release checkpoint test needs both stacks: it runs in test-core, in both directions.
-test-full: $(FULL_SETUP) multinode-deps
+test-full: $(FULL_SETUP) multinode-deps monitor-deps
 	$(FULL_BIN)/python -m pytest tests $(TEST_FULL_ARGS)
 
 test-core: setup setup-py312
@@ -107,6 +107,12 @@ test-vllm: venv-vllm
 # without it they skip, visibly.
 test-multinode: setup multinode-deps
 	$(BIN)/python -m pytest tests/multinode
+
+# Debian's prometheus (with promtool) for the real-Prometheus test (tests/tracking/test_monitor_run.py),
+# installed only as root and only when missing; without it that test skips, visibly.
+monitor-deps:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! (command -v prometheus && command -v promtool) >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; fi
 
 # Debian's slurm-wlm and iproute2 for that tier, installed only as root and only when missing.
 multinode-deps:

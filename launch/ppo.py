@@ -171,8 +171,14 @@ def main(argv=None) -> int:
                     print(f"  newer checkpoint of the abandoned trajectory moved to {moved}", flush=True)
         save_resolved(cfg, run_dir / "config.yaml", footer=hub.describe(snapshots))
         record_segment(run_dir, records, (run_dir / "config.yaml").read_text(), trainer.step + 1, world_size)
-    tracker = Tracker(cfg.tracking, run_dir, rank=rank, total_steps=cfg.trainer.total_steps, start_step=trainer.step + 1,
-                      resume=start is not None, params=records, log_every=cfg.trainer.log_every)
+    problem, tracker = None, None
+    try:  # rank 0's loggers: a missing package or a busy metrics port is one line, exit 2, on every rank
+        tracker = Tracker(cfg.tracking, run_dir, rank=rank, total_steps=cfg.trainer.total_steps, start_step=trainer.step + 1,
+                          resume=start is not None, params=records, log_every=cfg.trainer.log_every)
+    except (ValueError, ImportError) as err:
+        problem = str(err)
+    if fail(problem):
+        return 2
     status = "FAILED"
     try:
         trainer.train(tracker)

@@ -21,6 +21,7 @@ EXACTNESS_SAFE = (
     "tracking.",  # where and how metrics are reported
     "trainer.log_every", "trainer.save_every_steps", "trainer.keep_last_checkpoints", "trainer.resume",
     "trainer.resume_allow_changes", "rollout.verify_weights", "trainer.run_dir",
+    "trainer.profile_steps", "trainer.profiler",  # the profiler records; it computes nothing
 )
 
 

@@ -33,6 +33,8 @@ def local_stats(*, scores: torch.Tensor, token_rewards: torch.Tensor, mask: torc
     stats.masked_mean("training/rollout_probs_diff_mean", rollout_prob_diff, mask)
     stats.max("training/rollout_probs_diff_max", rollout_prob_diff.reshape(-1))
     stats.sum("tokens", mask.sum() + torch.tensor(float(prompt_tokens)))
+    stats.sum("response_tokens", mask.sum())
+    stats.sum("samples", torch.tensor(float(len(scores))))
     if old_values is not None:
         stats.masked_mean("critic/values/mean", old_values, mask)
     if samples_per_prompt > 1:
@@ -84,6 +86,13 @@ def step_metrics(*, batch_stats: dict[str, float], update: dict[str, float], rew
     step_time = sum(timing.values())
     metrics["timing_s/step"] = step_time
     metrics["perf/throughput"] = batch_stats["tokens"] / max(step_time, 1e-9) / world_size
+    metrics["perf/total_num_tokens"] = batch_stats["tokens"]
+    # Rollout throughput: the step's generated tokens over the generation phase (every rank
+    # generates at once, so its own gen time is the phase's), for the whole job and per GPU.
+    gen_time = max(timing.get("timing_s/gen", 0.0), 1e-9)
+    metrics["perf/rollout_tokens_per_s"] = batch_stats["response_tokens"] / gen_time
+    metrics["perf/rollout_tokens_per_s_per_gpu"] = batch_stats["response_tokens"] / gen_time / world_size
+    metrics["perf/samples_per_s"] = batch_stats["samples"] / max(step_time, 1e-9)
     for name, _ in guard_events:  # each guard firing is a metric as well as an event
         metrics[name] = metrics.get(name, 0.0) + 1.0
     return metrics

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megarl import algorithms as A
-from megarl import checkpoint, heartbeat
+from megarl import checkpoint, heartbeat, profiling
 from megarl.config import Config
 from megarl.data.dataset import PromptDataset, PromptRow
 from megarl.data.tokenizer import load_tokenizer
@@ -48,6 +48,7 @@ from megarl.models import moe_routing
 from megarl.models.moe_routing import RouterOptions
 from megarl.parallel import ParallelDims, all_reduce_host
 from megarl.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch
+from megarl.profiling import StepProfiler
 from megarl.rewards import build_reward_fn
 from megarl.rewards.decode import check_token_ids, response_text
 from megarl.rewards.model import RewardModel
@@ -111,6 +112,7 @@ class Trainer:
         self.cfg, self.dims, self.log = cfg, dims, log
         self.global_batch = GlobalBatch(dims)
         t = cfg.trainer
+        self.profiler = StepProfiler(t.profiler, t.profile_steps, t.run_dir, dims.rank)  # refuses nvtx without CUDA first
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.data = PromptDataset(
             cfg.data.train_files, prompts_per_step=cfg.data.prompts_per_step, dp_rank=dims.dp_rank, dp_size=dims.dp,
@@ -195,7 +197,8 @@ class Trainer:
                 self.step += 1
                 heartbeat.enter("step", self.step)
                 last = self.step == run.total_steps
-                metrics, events = self.ppo_step()
+                with self.profiler.step(self.step):
+                    metrics, events = self.ppo_step()
                 if self.val_data is not None and (self.step % run.val_every_steps == 0 or last):
                     heartbeat.enter("validate")
                     metrics.update(self.validate())
@@ -592,9 +595,12 @@ class _Timer:
 
     def __enter__(self):
         heartbeat.enter(self.name)  # the phase a stall report names (megarl/heartbeat.py)
+        self.range = profiling.phase(self.name.replace("timing_s/", "ppo_step/"))
+        self.range.__enter__()
         self.start = time.perf_counter()
 
     def __exit__(self, *exc):
+        self.range.__exit__(*exc)
         timing = self.clock.timing
         timing[self.name] = timing.get(self.name, 0.0) + time.perf_counter() - self.start
         if self.clock.after is not None and exc[0] is None:

@@ -13,7 +13,7 @@
 Every problem is a `ConfigError` (a `ValueError`) with a one-line message naming the key.
 """
 from megarl.config.docs import render_docs
-from megarl.config.inputs import check_data_files, check_inputs, check_model_path, check_resume_path
+from megarl.config.inputs import check_data_files, check_inputs, check_model_path, check_monitor_packages, check_resume_path
 from megarl.config.loader import all_keys, apply_override, flatten, load_config, save_resolved, to_dict
 from megarl.config.schema import (
     ADV_ESTIMATORS_WITH_GROUPS,
@@ -27,6 +27,7 @@ from megarl.config.schema import (
     GuardsConfig,
     KLControlConfig,
     KLKind,
+    LOGGERS,
     LossAggMode,
     MakeTinyConfig,
     ModelConfig,
@@ -43,9 +44,9 @@ from megarl.config.validation import BatchSizes, validate
 
 __all__ = [
     "ADV_ESTIMATORS_WITH_GROUPS", "ActorConfig", "AlgorithmConfig", "ArithmeticDataConfig", "BatchSizes", "Config",
-    "ConfigError", "CriticConfig", "DataConfig", "GuardsConfig", "KLControlConfig", "KLKind", "LossAggMode",
+    "ConfigError", "CriticConfig", "DataConfig", "GuardsConfig", "KLControlConfig", "KLKind", "LOGGERS", "LossAggMode",
     "MakeTinyConfig", "ModelConfig", "ParallelConfig", "RefConfig", "RewardConfig", "RoleConfig", "RoleOptimConfig",
     "RolloutConfig", "TrackingConfig", "TrainerConfig", "all_keys", "apply_override", "check_data_files",
-    "check_inputs", "check_model_path", "check_resume_path", "flatten", "load_config", "render_docs",
+    "check_inputs", "check_monitor_packages", "check_model_path", "check_resume_path", "flatten", "load_config", "render_docs",
     "save_resolved", "to_dict", "validate",
 ]

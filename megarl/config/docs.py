@@ -35,7 +35,9 @@ responses, split into `ppo_mini_batches` optimizer steps per epoch; `max_tokens_
 is per data-parallel rank. The data-parallel size is world size / (tp * pp * cp).
 
 Metrics go to `<trainer.run_dir>/metrics.jsonl` and, by default, to an MLflow store in the run
-directory: `mlflow ui --backend-store-uri sqlite:///<trainer.run_dir>/mlflow.db`.
+directory: `mlflow ui --backend-store-uri sqlite:///<trainer.run_dir>/mlflow.db`. TensorBoard, W&B,
+live Prometheus metrics and profiles: `tracking.loggers`, `tracking.prometheus_port`,
+`trainer.profile_steps` below, and docs/operations.md ("Watching a run").
 """
 
 

@@ -21,6 +21,7 @@ def check_inputs(cfg: Config, overrides=()) -> None:
     check_model_layout(cfg)
     check_data_files(cfg, overrides)
     check_rollout_engine(cfg)
+    check_monitor_packages(cfg)
 
 
 def check_resume_path(resume: str) -> None:
@@ -155,3 +156,23 @@ def check_rollout_engine(cfg: Config) -> None:
     if spec is None or spec.origin in (None, "namespace"):
         raise ConfigError(f"rollout.engine={engine}: the {engine} package is not installed here; install it with "
                           f"pip install 'megarl[{engine}]' on a machine with CUDA, or use rollout.engine=hf")
+
+
+# What each optional monitor needs; all of them come with `pip install 'megarl[monitor]'`.
+MONITOR_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+                    "prometheus": ("prometheus_client", "prometheus-client")}
+
+
+def check_monitor_packages(cfg: Config) -> None:
+    """The packages of the chosen loggers and of the metrics endpoint are installed."""
+    import importlib.util
+
+    wanted = [name for name in cfg.tracking.active_loggers() if name in MONITOR_PACKAGES]
+    if cfg.tracking.prometheus_port is not None:
+        wanted.append("prometheus")
+    for name in wanted:
+        module, dist = MONITOR_PACKAGES[name]
+        if importlib.util.find_spec(module) is None:
+            key = "tracking.prometheus_port" if name == "prometheus" else f"tracking.loggers: {name}"
+            raise ConfigError(f"{key} needs the {dist} package, which is not installed: "
+                              f"pip install 'megarl[monitor]' (or pip install {dist})")

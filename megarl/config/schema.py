@@ -270,13 +270,34 @@ class GuardsConfig:
     reward_ema_steps: int = knob(10, "EMA window of the score, in steps (also the steps before the guard arms)", ge=1)
 
 
+LOGGERS = ("console", "jsonl", "mlflow", "tensorboard", "wandb")
+Logger = Literal["console", "jsonl", "mlflow", "tensorboard", "wandb"]
+
+
 @dataclass
 class TrackingConfig:
-    mlflow: bool = knob(True, "log params and metrics to MLflow")
+    loggers: list[Logger] = knob(["console", "jsonl", "mlflow"], "where step metrics go: console (progress bar or lines), "
+                                 "jsonl (<run_dir>/metrics.jsonl), mlflow, tensorboard (<run_dir>/tensorboard), wandb")
+    mlflow: Optional[bool] = knob(None, "older switch, still read: false removes mlflow from tracking.loggers; true "
+                                  "needs mlflow in tracking.loggers")
     tracking_uri: Optional[str] = knob(None, "MLflow tracking URI; null = a local store inside trainer.run_dir")
     experiment: str = knob("megarl", "MLflow experiment name")
     run_name: Optional[str] = knob(None, "MLflow run name; null = basename of trainer.run_dir")
     progress_bar: bool = knob(True, "console progress bar over steps with score, pg_loss and kl")
+    wandb_project: Optional[str] = knob(None, "W&B project; null = an offline run (nothing leaves the machine)")
+    wandb_entity: Optional[str] = knob(None, "W&B entity (team or user) of an online run")
+    wandb_mode: Literal["auto", "offline", "online"] = knob(
+        "auto", "offline: files under <run_dir>/wandb only (`wandb sync` uploads them later); online needs "
+                   "tracking.wandb_project and a W&B key; auto: online when both are given, else offline")
+    prometheus_port: Optional[int] = knob(None, "rank 0 serves live metrics at http://<prometheus_host>:<port>/metrics; "
+                                          "null = off, 0 = any free port (printed)", ge=0, le=65535)
+    prometheus_host: str = knob("127.0.0.1", "address the metrics endpoint binds to (localhost only by default; "
+                                "0.0.0.0 for a Prometheus on another machine)")
+
+    def active_loggers(self) -> tuple[str, ...]:
+        """tracking.loggers less mlflow when the older switch tracking.mlflow is false, in LOGGERS order."""
+        chosen = set(self.loggers) - ({"mlflow"} if self.mlflow is False else set())
+        return tuple(name for name in LOGGERS if name in chosen)
 
 
 @dataclass
@@ -290,6 +311,11 @@ class TrainerConfig:
     resume_allow_changes: bool = knob(False, "resume even though settings that change results differ from the run's last segment")
     log_every: int = knob(1, "console log interval, steps (metrics.jsonl gets every step)", ge=1)
     val_every_steps: int = knob(0, "validate every N steps on data.val_files; 0 = never", ge=0)
+    profile_steps: list[int] = knob([], "steps recorded by trainer.profiler on every rank (e.g. [3]); other steps run "
+                                    "unprofiled at no cost")
+    profiler: Literal["torch", "nvtx"] = knob(
+        "torch", "torch: a Chrome trace per rank in <run_dir>/profile/step_N/ (open in chrome://tracing or Perfetto); "
+                 "nvtx: NVTX ranges + cudaProfilerStart/Stop around those steps for `nsys profile --capture-range=cudaProfilerApi`")
     collective_timeout_s: float = knob(600.0, "a rank that stops (no heartbeat, or a phase behind the others for this "
                                        "long) ends the run with a message naming it and its phase", gt=0)
 

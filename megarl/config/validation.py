@@ -59,6 +59,7 @@ def validate(cfg: Config, world_size: int | None = None) -> BatchSizes | None:
         raise ConfigError(f"reward.overlong_buffer.len = {r.overlong_buffer.len} is longer than rollout.max_new_tokens = "
                           f"{cfg.rollout.max_new_tokens}: the buffer is the last part of the response length limit")
     _check_unworkable(cfg)
+    _check_monitoring(cfg)
     p = cfg.parallel
     # Accepted by ParallelDims, not yet by the engine's forward paths: refuse rather than run wrong.
     if p.cp != 1:
@@ -104,6 +105,22 @@ def _check_unworkable(cfg: Config) -> None:
     if g.kl_threshold > 0 and g.kl_action == "raise_coef" and not alg.use_kl_in_reward:
         raise ConfigError("guards.kl_action=raise_coef raises the in-reward KL coefficient, but algorithm.use_kl_in_reward "
                           "is false so nothing reads it: set algorithm.use_kl_in_reward=true or guards.kl_action=skip_update")
+
+
+def _check_monitoring(cfg: Config) -> None:
+    t, run = cfg.tracking, cfg.trainer
+    loggers = t.active_loggers()
+    if t.mlflow is True and "mlflow" not in loggers:  # the default loggers hold mlflow: these were chosen
+        raise ConfigError(f"tracking.mlflow=true (the older switch) but tracking.loggers={list(t.loggers)} has no mlflow: "
+                          f"add mlflow to tracking.loggers, or drop tracking.mlflow")
+    if "wandb" in loggers and "jsonl" not in loggers:
+        raise ConfigError("tracking.loggers has wandb without jsonl: a resumed W&B run is rebuilt from metrics.jsonl "
+                          "(so no step appears twice); add jsonl to tracking.loggers")
+    if t.wandb_mode == "online" and not t.wandb_project:
+        raise ConfigError("tracking.wandb_mode=online needs tracking.wandb_project (or use wandb_mode=offline)")
+    bad = [s for s in run.profile_steps if not 1 <= s <= run.total_steps]
+    if bad:
+        raise ConfigError(f"trainer.profile_steps {bad} outside the run's steps 1..{run.total_steps} (trainer.total_steps)")
 
 
 def _check_layout(cfg: Config, world_size: int) -> BatchSizes:

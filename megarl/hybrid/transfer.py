@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from megarl import profiling
 from megarl.hybrid.plan import Chunk, Op, Plan, Span, TensorSpec
 
 Converter = Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
@@ -117,17 +118,20 @@ class PlanRunner:
         plan, rank = self.plan, self.rank
         t0 = time.perf_counter()
         open_outputs: dict[str, torch.Tensor] = {}
-        for bucket in plan.buckets:
+        for index, bucket in enumerate(plan.buckets):
             my_ops = [op for op in bucket.ops if rank in op.participants]
             size = sum(op.nbytes for op in my_ops)
             buf = meter.empty((size,), torch.uint8, self.device) if size else None
             received: dict[tuple[str, tuple | None], list[tuple[Chunk, int]]] = {}
             off = 0
-            for op in my_ops:
-                seg = buf[off:off + op.nbytes]
-                for chunk, at in self._run_op(op, seg, local, stats):
-                    received.setdefault((chunk.name, chunk.rows), []).append((chunk, off + at))
-                off += op.nbytes
+            # The bucket's exchange as a named range in a profiled step (the assembly below yields
+            # to the consumer, so a range cannot stay open around it).
+            with profiling.phase(f"sync/bucket_{index}"):
+                for op in my_ops:
+                    seg = buf[off:off + op.nbytes]
+                    for chunk, at in self._run_op(op, seg, local, stats):
+                        received.setdefault((chunk.name, chunk.rows), []).append((chunk, off + at))
+                    off += op.nbytes
             for entry in bucket.entries:
                 name, spec, L = entry.name, plan.specs[entry.name], plan.units(entry.name)
                 need, held = plan.needed_span(rank, name), self._held(name)
