@@ -256,8 +256,11 @@ class Trainer:
             sync = self.hybrid.hand_over(self.rollout, self._offload_all, self._actor_shards())
 
         # 2. Generate samples_per_prompt responses to this rank's prompts.
+        # ReMax's baseline, one greedy response per prompt, comes from the same weights and must be
+        # generated before release_memory(): vLLM (sleep level 2) and SGLang drop the weights there.
         with clock("timing_s/gen"):
             samples = self._generate(self.data.next_step(), self.sampling)
+            greedy = self._generate(_first_of_groups(samples, self.sampling.n), self._greedy) if alg.adv_estimator == "remax" else None
             self.rollout.release_memory()
         rollout_batch = to_rollout_batch(samples, self.sampling.n, self.sampling.max_new_tokens)
         batch, mask = rollout_batch.batch, rollout_batch.batch.response_mask
@@ -289,7 +292,7 @@ class Trainer:
 
         # 5. Advantages and returns over the global batch.
         with clock("timing_s/adv"):
-            self._compute_advantages(rollout_batch, scores, token_rewards)
+            self._compute_advantages(rollout_batch, scores, token_rewards, greedy)
 
         # 6. Update: critic, then actor; each runs ppo_epochs x ppo_mini_batches optimizer steps.
         before = self.guards.before_update(reward_kl)
@@ -368,8 +371,10 @@ class Trainer:
             shards.pop("output_layer.weight", None)
         return shards
 
-    def _compute_advantages(self, rollout_batch: RolloutBatch, scores: torch.Tensor, token_rewards: torch.Tensor) -> None:
-        """Advantages and returns on the all-gathered global batch, then this rank's rows."""
+    def _compute_advantages(self, rollout_batch: RolloutBatch, scores: torch.Tensor, token_rewards: torch.Tensor,
+                            greedy: list[Sample] | None = None) -> None:
+        """Advantages and returns on the all-gathered global batch, then this rank's rows (`greedy`:
+        ReMax's one greedy response per prompt, generated with the samples)."""
         alg, batch = self.cfg.algorithm, rollout_batch.batch
         mask = batch.response_mask
         gathered = self.global_batch.gather({
@@ -388,21 +393,16 @@ class Trainer:
         elif alg.adv_estimator == "reinforce_plus_plus":
             advantages, returns = A.compute_reinforce_pp_advantages(gathered["rewards"], gathered["mask"], alg.gamma)
         else:  # remax: baseline = score of a greedy response to the same prompt
-            baseline = self.global_batch.gather({"baseline": self._greedy_baseline(rollout_batch)})["baseline"]
+            baseline = self.global_batch.gather({"baseline": self._greedy_baseline(greedy)})["baseline"]
             advantages = A.compute_remax_advantages(gathered["scores"], baseline, gathered["mask"])
             returns = advantages
         first = self.global_batch.offset(len(batch))
         batch.tensors["advantages"] = advantages[first : first + len(batch)] * mask
         batch.tensors["returns"] = returns[first : first + len(batch)] * mask
 
-    def _greedy_baseline(self, rollout_batch: RolloutBatch) -> torch.Tensor:
+    def _greedy_baseline(self, greedy: list[Sample]) -> torch.Tensor:
         """[m] ReMax's baseline: the score of one greedy response per prompt, repeated for its samples."""
-        n = self.sampling.n
-        prompts = [rollout_batch.samples[i].prompt for i in range(0, len(rollout_batch.samples), n)]
-        self.rollout.resume_memory()
-        greedy = self._generate(prompts, self._greedy)
-        self.rollout.release_memory()
-        return torch.tensor(self._score(greedy), dtype=torch.float32).repeat_interleave(n)
+        return torch.tensor(self._score(greedy), dtype=torch.float32).repeat_interleave(self.sampling.n)
 
     def _update_critic(self, batch: SequenceBatch) -> dict[str, float]:
         """Clipped value loss; critic.ppo_epochs x critic.ppo_mini_batches optimizer steps."""
@@ -517,6 +517,11 @@ class Trainer:
 
 
 # --- small helpers ------------------------------------------------------------------------------
+
+
+def _first_of_groups(samples: list[Sample], n: int) -> list[PromptRow]:
+    """The prompts of prompt-major `samples`, n per prompt, in order."""
+    return [samples[i].prompt for i in range(0, len(samples), n)]
 
 
 def _scores_at_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
