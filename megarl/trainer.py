@@ -37,12 +37,12 @@ from megarl.data.dataset import PromptDataset, PromptRow
 from megarl.data.tokenizer import load_tokenizer
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
-from megarl.global_batch import GlobalBatch
+from megarl.global_batch import GlobalBatch, LocalStats
 from megarl.guards import Guards
 from megarl.hybrid.dispatch import DispatchGroups, generate_for_training
 from megarl.hybrid.engine import HybridEngine
 from megarl.hybrid.layout import TrainLayout
-from megarl.hybrid.verify import check_sync, token_prob_diff
+from megarl.hybrid.verify import WeightSyncMismatch, mismatch_message, sync_limits, sync_problem, sync_stats, token_prob_diff
 from megarl.models import moe_routing
 from megarl.models.moe_routing import RouterOptions
 from megarl.parallel import ParallelDims, all_reduce_host
@@ -171,6 +171,7 @@ class Trainer:
                 apply_chat_template=cfg.data.apply_chat_template, log=lambda _: None)
         self.guards = Guards(cfg.guards)
         self.step = 0  # PPO steps completed
+        self._sync_checked = False  # the first weight-sync check of this process is fatal (_verify_sync)
 
     def _setup_moe_routing(self, cfg: Config) -> None:
         """Routing replay: the rollout engine records each token's experts (validation keeps
@@ -269,7 +270,7 @@ class Trainer:
         with clock("timing_s/old_log_prob"):
             out = self.actor.forward_only(batch, want=("logprobs", "entropy"), temperature=self.sampling.temperature)
             batch.tensors["old_logprobs"], entropy = out["logprobs"], out["entropy"]
-        self._verify_sync(rollout_batch, batch.tensors["old_logprobs"], mask)
+        sync_check = self._verify_sync(rollout_batch, batch.tensors["old_logprobs"], mask)
         if self.ref is not None:
             with clock("timing_s/ref"):
                 batch.tensors["ref_logprobs"] = self.ref.forward_only(batch, temperature=self.sampling.temperature)["logprobs"]
@@ -318,13 +319,14 @@ class Trainer:
         self._apply_guard_actions(after)
         explained_var = (self.global_batch.explained_variance(batch.tensors["returns"], batch.tensors["old_values"], mask)
                          if self.critic is not None else None)
-        events = before.events + after.events
+        events = sync_check.events + before.events + after.events
         metrics = step_metrics(
             batch_stats=batch_stats, update=update, reward_kl=reward_kl, kl_coef=self.kl_ctrl.value, actor_lr=self.actor.lr,
             sync_bytes=sync.bytes_received, sync_peak_bytes=sync.peak_extra_bytes, dropped_prompts=self.data.num_dropped,
             bytes_moved={kind: total - moved_before[kind] for kind, total in self._bytes_moved().items()},
             memory=_memory_metrics(), resident=self._resident_metrics(resident), timing=timing,
             world_size=self.dims.world_size, explained_var=explained_var, guard_events=events)
+        metrics.update(sync_check.metrics)
         metrics["training/hybrid_sync_direct"] = float(self.weight_path == "direct")  # 1: shards into vLLM's parameters
         return StepResult(metrics, events)
 
@@ -466,15 +468,45 @@ class Trainer:
                 **({"actor/moe_aux_loss": aux_loss} if aux_loss is not None else {})}
 
     # --- checks, guards, offload -----------------------------------------------------------------
-    def _verify_sync(self, rollout_batch: RolloutBatch, actor_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
-        """rollout.verify_weights: the engine's log-probs of its own samples must
-        equal the actor's, or the weight sync went wrong; raises WeightSyncMismatch."""
+    def _verify_sync(self, rollout_batch: RolloutBatch, actor_logprobs: torch.Tensor, mask: torch.Tensor) -> StepResult:
+        """rollout.verify_weights: the engine's log-probs of its own samples must equal the actor's
+        (megarl.hybrid.verify). The first sync of this process raises WeightSyncMismatch over the
+        limit (layout and name-mapping bugs); later ones fire guard/weight_sync. Returns the
+        statistics as metrics and the events; a collective over the DP group."""
         truncated = self.cfg.rollout.top_k > 0 or self.cfg.rollout.top_p < 1.0
         if not self.cfg.rollout.verify_weights or (truncated and not rollout_batch.logprobs_are_scaled):
-            return  # processed log-probs of a truncated distribution are not what the actor computes
-        # per dtype: a statistic that bf16 kernel noise passes and a corrupted layer does not
-        check_sync(rollout_batch.rollout_logprobs, actor_logprobs, mask, self.cfg.model.dtype,
-                   where=f"rollout.engine={self.cfg.rollout.engine} ({self.actor.spec.family} model)")
+            return StepResult({}, [])  # processed log-probs of a truncated distribution are not what the actor computes
+        stats = self._global_sync_stats(rollout_batch.rollout_logprobs, actor_logprobs, mask)
+        first, self._sync_checked = not self._sync_checked, True
+        metrics = {f"training/sync_logprob_diff_{k}": stats[k] for k in ("mean", "p99", "max")}
+        # per dtype: a statistic that bf16 kernel noise passes and a corrupted layer does not; judged
+        # on the worst rank's mean (a bad shard on one rank must not hide in the global mean)
+        limit = self.cfg.rollout.verify_weights_mean_atol
+        problem = sync_problem({**stats, "mean": stats["worst_rank_mean"]}, self.cfg.model.dtype, limit)
+        if problem is None:
+            return StepResult(metrics, [])
+        where = f"rollout.engine={self.cfg.rollout.engine} ({self.actor.spec.family} model)"
+        if first:  # every rank holds the same stats, so every rank raises here
+            raise WeightSyncMismatch(mismatch_message(where, problem + " (first sync of this run)"))
+        if self.dims.rank == 0:
+            self.log(f"megarl: step {self.step}: guard/weight_sync: {where}: {problem}; training goes on "
+                     "(only the first sync is fatal; rollout.verify_weights_mean_atol sets the limit)")
+        limits = sync_limits(self.cfg.model.dtype, limit)
+        return StepResult(metrics, [("guard/weight_sync", {**metrics, "mean_limit": limits.mean_atol})])
+
+    def _global_sync_stats(self, engine_logprobs: torch.Tensor, actor_logprobs: torch.Tensor,
+                           mask: torch.Tensor) -> dict[str, float]:
+        """sync_stats over the DP group, identical on every rank: mean over all tokens, the worst
+        rank's mean, the largest rank's p99, max, tokens (one all-gather)."""
+        local = sync_stats(engine_logprobs, actor_logprobs, mask)
+        stats = LocalStats()
+        stats.masked_mean("mean", torch.tensor(local["mean"]), torch.tensor(local["tokens"]))  # token-weighted
+        for name in ("mean", "p99", "max"):
+            stats.max(f"worst_rank_{name}", torch.tensor(local[name]))
+        stats.sum("tokens", torch.tensor(local["tokens"]))
+        out = self.global_batch.reduce(stats)
+        return {"mean": out["mean"], "worst_rank_mean": out["worst_rank_mean"], "p99": out["worst_rank_p99"],
+                "max": out["worst_rank_max"], "tokens": out["tokens"]}
 
     def _apply_guard_actions(self, verdict) -> None:
         # Roll back first: loading a checkpoint also restores the optimizers' learning rates, so

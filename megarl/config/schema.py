@@ -115,7 +115,11 @@ class RolloutConfig:
     banned_token_ids: list[int] = knob([], "token ids never sampled, in every engine (e.g. pad/bos/unk a policy could learn to emit)")
     gpu_memory_utilization: float = knob(0.5, "fraction of GPU memory the engine may take (vllm/sglang)", gt=0, le=1)
     bucket_bytes: int = knob(512 * 2**20, "bytes per bucket of the actor -> engine weight stream", ge=1)
-    verify_weights: bool = knob(True, "after each weight sync, compare engine and actor log-probs and fail loudly")
+    verify_weights: bool = knob(True, "after each weight sync, compare engine and actor log-probs: the first sync of a run "
+                                      "fails loudly over the limit, later ones fire guard/weight_sync (docs/rollout.md)")
+    verify_weights_mean_atol: Optional[float] = knob(
+        None, "limit on the mean |engine - actor| token log-prob of that check; null = the dtype's calibrated limit "
+              "(float32 1e-4, bfloat16 0.07, float16 0.02: megarl.hybrid.verify.SYNC_CHECKS)", gt=0)
 
 
 @dataclass
