@@ -40,7 +40,7 @@ from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
 from megarl.global_batch import GlobalBatch, LocalStats
 from megarl.guards import Guards
 from megarl.hybrid.dispatch import DispatchGroups, generate_for_training
-from megarl.hybrid.engine import HybridEngine
+from megarl.hybrid.engine import HybridEngine, release_cached_device_memory
 from megarl.hybrid.layout import TrainLayout
 from megarl.hybrid.verify import WeightSyncMismatch, mismatch_message, sync_limits, sync_problem, sync_stats, token_prob_diff
 from megarl.models import moe_routing
@@ -66,7 +66,7 @@ def stop_token_ids(rollout, eos_token_id: int | None) -> tuple[int, ...]:
 def engine_config(cfg: Config, role: str, total_steps: int) -> EngineConfig:
     """The Megatron engine settings of one role (actor / critic / ref) from the run config."""
     if role == "ref":
-        return EngineConfig(dtype=cfg.model.dtype, param_offload=cfg.ref.param_offload, sequence_packing=cfg.model.sequence_packing)
+        return EngineConfig(dtype=cfg.model.dtype, param_offload=bool(cfg.ref.param_offload), sequence_packing=cfg.model.sequence_packing)
     role_cfg = getattr(cfg, role)
     schedule = role_cfg.optim
     updates_per_step = role_cfg.ppo_epochs * role_cfg.ppo_mini_batches
@@ -76,8 +76,8 @@ def engine_config(cfg: Config, role: str, total_steps: int) -> EngineConfig:
                         max_grad_norm=schedule.max_grad_norm, warmup_steps=schedule.warmup_steps * updates_per_step,
                         schedule=schedule.schedule, min_lr=schedule.min_lr, total_steps=total_steps * updates_per_step)
     return EngineConfig(dtype=cfg.model.dtype, optim=optim, max_tokens_per_microbatch=role_cfg.max_tokens_per_microbatch,
-                        param_offload=role_cfg.param_offload, grad_offload=role_cfg.grad_offload,
-                        optimizer_offload=role_cfg.optimizer_offload, recompute=role_cfg.recompute,
+                        param_offload=bool(role_cfg.param_offload), grad_offload=bool(role_cfg.grad_offload),  # null = off
+                        optimizer_offload=bool(role_cfg.optimizer_offload), recompute=role_cfg.recompute,
                         sequence_packing=cfg.model.sequence_packing, routing=router_options(cfg, role))
 
 
@@ -142,6 +142,10 @@ class Trainer:
         # families: each rank's own rollout shard; otherwise full HF tensors) and owns each
         # backend's options. ------------------------------------------------------------------------
         r = cfg.rollout
+        # Offloads as configured before the engine is built: vLLM and SGLang size their memory pools
+        # from what is free at that moment (megarl/config/memory.py decides the offloads left null).
+        self._offload_all()
+        release_cached_device_memory()
         groups = dims.rollout_groups(r.tp)
         setup = build_rollout(r.engine, cfg.model.path, groups, seed=t.seed, device=str(self.actor.device),
                               dtype=self.actor.module.config.params_dtype, memory_fraction=r.gpu_memory_utilization,
