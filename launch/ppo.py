@@ -62,6 +62,13 @@ def main(argv=None) -> int:
         cfg = load_config(args.config, args.overrides)
         sizes = validate(cfg, world_size)
         check_inputs(cfg, args.overrides)
+        # colocated vLLM/SGLang on CUDA: will the engine's budget fit beside the training state from
+        # step 2 on? Decides the offloads left null (megarl/config/memory.py)
+        from megarl.config import memory
+
+        cfg, memory_note = memory.check_colocated_memory(cfg, world_size)
+        if memory_note and first_rank:
+            print(memory_note, flush=True)
     except ConfigError as err:
         if first_rank:
             print(f"config error: {err}", file=sys.stderr, flush=True)

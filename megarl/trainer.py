@@ -38,12 +38,12 @@ from megarl.data.tokenizer import load_tokenizer
 from megarl.dynamic_sampling import FilteredRollout, generate_filtered
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
-from megarl.global_batch import GlobalBatch
+from megarl.global_batch import GlobalBatch, LocalStats
 from megarl.guards import Guards
 from megarl.hybrid.dispatch import DispatchGroups, generate_for_training
-from megarl.hybrid.engine import HybridEngine
+from megarl.hybrid.engine import HybridEngine, release_cached_device_memory
 from megarl.hybrid.layout import TrainLayout
-from megarl.hybrid.verify import check_sync, token_prob_diff
+from megarl.hybrid.verify import WeightSyncMismatch, mismatch_message, sync_limits, sync_problem, sync_stats, token_prob_diff
 from megarl.models import moe_routing
 from megarl.models.moe_routing import RouterOptions
 from megarl.parallel import ParallelDims, all_reduce_host
@@ -69,7 +69,7 @@ def stop_token_ids(rollout, eos_token_id: int | None) -> tuple[int, ...]:
 def engine_config(cfg: Config, role: str, total_steps: int) -> EngineConfig:
     """The Megatron engine settings of one role (actor / critic / ref) from the run config."""
     if role == "ref":
-        return EngineConfig(dtype=cfg.model.dtype, param_offload=cfg.ref.param_offload, sequence_packing=cfg.model.sequence_packing)
+        return EngineConfig(dtype=cfg.model.dtype, param_offload=bool(cfg.ref.param_offload), sequence_packing=cfg.model.sequence_packing)
     role_cfg = getattr(cfg, role)
     schedule = role_cfg.optim
     updates_per_step = role_cfg.ppo_epochs * role_cfg.ppo_mini_batches
@@ -79,8 +79,8 @@ def engine_config(cfg: Config, role: str, total_steps: int) -> EngineConfig:
                         max_grad_norm=schedule.max_grad_norm, warmup_steps=schedule.warmup_steps * updates_per_step,
                         schedule=schedule.schedule, min_lr=schedule.min_lr, total_steps=total_steps * updates_per_step)
     return EngineConfig(dtype=cfg.model.dtype, optim=optim, max_tokens_per_microbatch=role_cfg.max_tokens_per_microbatch,
-                        param_offload=role_cfg.param_offload, grad_offload=role_cfg.grad_offload,
-                        optimizer_offload=role_cfg.optimizer_offload, recompute=role_cfg.recompute,
+                        param_offload=bool(role_cfg.param_offload), grad_offload=bool(role_cfg.grad_offload),  # null = off
+                        optimizer_offload=bool(role_cfg.optimizer_offload), recompute=role_cfg.recompute,
                         sequence_packing=cfg.model.sequence_packing, routing=router_options(cfg, role))
 
 
@@ -146,6 +146,10 @@ class Trainer:
         # families: each rank's own rollout shard; otherwise full HF tensors) and owns each
         # backend's options. ------------------------------------------------------------------------
         r = cfg.rollout
+        # Offloads as configured before the engine is built: vLLM and SGLang size their memory pools
+        # from what is free at that moment (megarl/config/memory.py decides the offloads left null).
+        self._offload_all()
+        release_cached_device_memory()
         groups = dims.rollout_groups(r.tp)
         setup = build_rollout(r.engine, cfg.model.path, groups, seed=t.seed, device=str(self.actor.device),
                               dtype=self.actor.module.config.params_dtype, memory_fraction=r.gpu_memory_utilization,
@@ -175,6 +179,7 @@ class Trainer:
                 apply_chat_template=cfg.data.apply_chat_template, log=lambda _: None)
         self.guards = Guards(cfg.guards)
         self.step = 0  # PPO steps completed
+        self._sync_checked = False  # the first weight-sync check of this process is fatal (_verify_sync)
 
     def _setup_moe_routing(self, cfg: Config) -> None:
         """Routing replay: the rollout engine records each token's experts (validation keeps
@@ -262,9 +267,12 @@ class Trainer:
 
         # 2. Generate samples_per_prompt responses to this rank's prompts (with DAPO's dynamic
         # sampling: rounds of prompts until prompts_per_step groups have a score spread, scored).
+        # ReMax's baseline, one greedy response per prompt, comes from the same weights and must be
+        # generated before release_memory(): vLLM (sleep level 2) and SGLang drop the weights there.
         with clock("timing_s/gen"):
             filtered = self._generate_filtered() if alg.filter_groups.enable else None
             samples = filtered.samples if filtered else self._generate(self.data.next_step(), self.sampling)
+            greedy = self._generate(_first_of_groups(samples, self.sampling.n), self._greedy) if alg.adv_estimator == "remax" else None
             self.rollout.release_memory()
         rollout_batch = to_rollout_batch(samples, self.sampling.n, self.sampling.max_new_tokens)
         batch, mask = rollout_batch.batch, rollout_batch.batch.response_mask
@@ -276,7 +284,7 @@ class Trainer:
             out = self.actor.forward_only(batch, want=("logprobs", "entropy"), temperature=self.sampling.temperature,
                                           banned_token_ids=self.sampling.banned_token_ids)
             batch.tensors["old_logprobs"], entropy = out["logprobs"], out["entropy"]
-        self._verify_sync(rollout_batch, batch.tensors["old_logprobs"], mask)
+        sync_check = self._verify_sync(rollout_batch, batch.tensors["old_logprobs"], mask)
         if self.ref is not None:
             with clock("timing_s/ref"):
                 batch.tensors["ref_logprobs"] = self.ref.forward_only(batch, temperature=self.sampling.temperature,
@@ -300,7 +308,7 @@ class Trainer:
 
         # 5. Advantages and returns over the global batch.
         with clock("timing_s/adv"):
-            self._compute_advantages(rollout_batch, scores, token_rewards)
+            self._compute_advantages(rollout_batch, scores, token_rewards, greedy)
 
         # 6. Update: critic, then actor; each runs ppo_epochs x ppo_mini_batches optimizer steps.
         before = self.guards.before_update(reward_kl)
@@ -328,13 +336,14 @@ class Trainer:
         self._apply_guard_actions(after)
         explained_var = (self.global_batch.explained_variance(batch.tensors["returns"], batch.tensors["old_values"], mask)
                          if self.critic is not None else None)
-        events = before.events + after.events
+        events = sync_check.events + before.events + after.events
         metrics = step_metrics(
             batch_stats=batch_stats, update=update, reward_kl=reward_kl, kl_coef=self.kl_ctrl.value, actor_lr=self.actor.lr,
             sync_bytes=sync.bytes_received, sync_peak_bytes=sync.peak_extra_bytes, dropped_prompts=self.data.num_dropped,
             bytes_moved={kind: total - moved_before[kind] for kind, total in self._bytes_moved().items()},
             memory=_memory_metrics(), resident=self._resident_metrics(resident), timing=timing,
             world_size=self.dims.world_size, explained_var=explained_var, guard_events=events)
+        metrics.update(sync_check.metrics)
         metrics["training/hybrid_sync_direct"] = float(self.weight_path == "direct")  # 1: shards into vLLM's parameters
         metrics.update(filtered.metrics if filtered else {})
         return StepResult(metrics, events)
@@ -397,8 +406,10 @@ class Trainer:
             shards.pop("output_layer.weight", None)
         return shards
 
-    def _compute_advantages(self, rollout_batch: RolloutBatch, scores: torch.Tensor, token_rewards: torch.Tensor) -> None:
-        """Advantages and returns on the all-gathered global batch, then this rank's rows."""
+    def _compute_advantages(self, rollout_batch: RolloutBatch, scores: torch.Tensor, token_rewards: torch.Tensor,
+                            greedy: list[Sample] | None = None) -> None:
+        """Advantages and returns on the all-gathered global batch, then this rank's rows (`greedy`:
+        ReMax's one greedy response per prompt, generated with the samples)."""
         alg, batch = self.cfg.algorithm, rollout_batch.batch
         mask = batch.response_mask
         gathered = self.global_batch.gather({
@@ -417,21 +428,16 @@ class Trainer:
         elif alg.adv_estimator == "reinforce_plus_plus":
             advantages, returns = A.compute_reinforce_pp_advantages(gathered["rewards"], gathered["mask"], alg.gamma)
         else:  # remax: baseline = score of a greedy response to the same prompt
-            baseline = self.global_batch.gather({"baseline": self._greedy_baseline(rollout_batch)})["baseline"]
+            baseline = self.global_batch.gather({"baseline": self._greedy_baseline(greedy)})["baseline"]
             advantages = A.compute_remax_advantages(gathered["scores"], baseline, gathered["mask"])
             returns = advantages
         first = self.global_batch.offset(len(batch))
         batch.tensors["advantages"] = advantages[first : first + len(batch)] * mask
         batch.tensors["returns"] = returns[first : first + len(batch)] * mask
 
-    def _greedy_baseline(self, rollout_batch: RolloutBatch) -> torch.Tensor:
+    def _greedy_baseline(self, greedy: list[Sample]) -> torch.Tensor:
         """[m] ReMax's baseline: the score of one greedy response per prompt, repeated for its samples."""
-        n = self.sampling.n
-        prompts = [rollout_batch.samples[i].prompt for i in range(0, len(rollout_batch.samples), n)]
-        self.rollout.resume_memory()
-        greedy = self._generate(prompts, self._greedy)
-        self.rollout.release_memory()
-        return torch.tensor(self._score(greedy), dtype=torch.float32).repeat_interleave(n)
+        return torch.tensor(self._score(greedy), dtype=torch.float32).repeat_interleave(self.sampling.n)
 
     def _update_critic(self, batch: SequenceBatch) -> dict[str, float]:
         """Clipped value loss; critic.ppo_epochs x critic.ppo_mini_batches optimizer steps."""
@@ -495,15 +501,45 @@ class Trainer:
                 **({"actor/moe_aux_loss": aux_loss} if aux_loss is not None else {})}
 
     # --- checks, guards, offload -----------------------------------------------------------------
-    def _verify_sync(self, rollout_batch: RolloutBatch, actor_logprobs: torch.Tensor, mask: torch.Tensor) -> None:
-        """rollout.verify_weights: the engine's log-probs of its own samples must
-        equal the actor's, or the weight sync went wrong; raises WeightSyncMismatch."""
+    def _verify_sync(self, rollout_batch: RolloutBatch, actor_logprobs: torch.Tensor, mask: torch.Tensor) -> StepResult:
+        """rollout.verify_weights: the engine's log-probs of its own samples must equal the actor's
+        (megarl.hybrid.verify). The first sync of this process raises WeightSyncMismatch over the
+        limit (layout and name-mapping bugs); later ones fire guard/weight_sync. Returns the
+        statistics as metrics and the events; a collective over the DP group."""
         truncated = self.cfg.rollout.top_k > 0 or self.cfg.rollout.top_p < 1.0
         if not self.cfg.rollout.verify_weights or (truncated and not rollout_batch.logprobs_are_scaled):
-            return  # processed log-probs of a truncated distribution are not what the actor computes
-        # per dtype: a statistic that bf16 kernel noise passes and a corrupted layer does not
-        check_sync(rollout_batch.rollout_logprobs, actor_logprobs, mask, self.cfg.model.dtype,
-                   where=f"rollout.engine={self.cfg.rollout.engine} ({self.actor.spec.family} model)")
+            return StepResult({}, [])  # processed log-probs of a truncated distribution are not what the actor computes
+        stats = self._global_sync_stats(rollout_batch.rollout_logprobs, actor_logprobs, mask)
+        first, self._sync_checked = not self._sync_checked, True
+        metrics = {f"training/sync_logprob_diff_{k}": stats[k] for k in ("mean", "p99", "max")}
+        # per dtype: a statistic that bf16 kernel noise passes and a corrupted layer does not; judged
+        # on the worst rank's mean (a bad shard on one rank must not hide in the global mean)
+        limit = self.cfg.rollout.verify_weights_mean_atol
+        problem = sync_problem({**stats, "mean": stats["worst_rank_mean"]}, self.cfg.model.dtype, limit)
+        if problem is None:
+            return StepResult(metrics, [])
+        where = f"rollout.engine={self.cfg.rollout.engine} ({self.actor.spec.family} model)"
+        if first:  # every rank holds the same stats, so every rank raises here
+            raise WeightSyncMismatch(mismatch_message(where, problem + " (first sync of this run)"))
+        if self.dims.rank == 0:
+            self.log(f"megarl: step {self.step}: guard/weight_sync: {where}: {problem}; training goes on "
+                     "(only the first sync is fatal; rollout.verify_weights_mean_atol sets the limit)")
+        limits = sync_limits(self.cfg.model.dtype, limit)
+        return StepResult(metrics, [("guard/weight_sync", {**metrics, "mean_limit": limits.mean_atol})])
+
+    def _global_sync_stats(self, engine_logprobs: torch.Tensor, actor_logprobs: torch.Tensor,
+                           mask: torch.Tensor) -> dict[str, float]:
+        """sync_stats over the DP group, identical on every rank: mean over all tokens, the worst
+        rank's mean, the largest rank's p99, max, tokens (one all-gather)."""
+        local = sync_stats(engine_logprobs, actor_logprobs, mask)
+        stats = LocalStats()
+        stats.masked_mean("mean", torch.tensor(local["mean"]), torch.tensor(local["tokens"]))  # token-weighted
+        for name in ("mean", "p99", "max"):
+            stats.max(f"worst_rank_{name}", torch.tensor(local[name]))
+        stats.sum("tokens", torch.tensor(local["tokens"]))
+        out = self.global_batch.reduce(stats)
+        return {"mean": out["mean"], "worst_rank_mean": out["worst_rank_mean"], "p99": out["worst_rank_p99"],
+                "max": out["worst_rank_max"], "tokens": out["tokens"]}
 
     def _apply_guard_actions(self, verdict) -> None:
         # Roll back first: loading a checkpoint also restores the optimizers' learning rates, so
@@ -546,6 +582,11 @@ class Trainer:
 
 
 # --- small helpers ------------------------------------------------------------------------------
+
+
+def _first_of_groups(samples: list[Sample], n: int) -> list[PromptRow]:
+    """The prompts of prompt-major `samples`, n per prompt, in order."""
+    return [samples[i].prompt for i in range(0, len(samples), n)]
 
 
 def _scores_at_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

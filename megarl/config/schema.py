@@ -116,7 +116,14 @@ class RolloutConfig:
     banned_token_ids: list[int] = knob([], "token ids never sampled, in every engine (e.g. pad/bos/unk a policy could learn to emit)")
     gpu_memory_utilization: float = knob(0.5, "fraction of GPU memory the engine may take (vllm/sglang)", gt=0, le=1)
     bucket_bytes: int = knob(512 * 2**20, "bytes per bucket of the actor -> engine weight stream", ge=1)
-    verify_weights: bool = knob(True, "after each weight sync, compare engine and actor log-probs and fail loudly")
+    memory_check: bool = knob(True, "at start-up, on CUDA with engine vllm/sglang: estimate the training state left on the GPU "
+                                     "while the engine generates (Adam moments included) plus gpu_memory_utilization of the "
+                                     "device; turn on the offloads left null, or stop naming the knob (docs/operations.md)")
+    verify_weights: bool = knob(True, "after each weight sync, compare engine and actor log-probs: the first sync of a run "
+                                      "fails loudly over the limit, later ones fire guard/weight_sync (docs/rollout.md)")
+    verify_weights_mean_atol: Optional[float] = knob(
+        None, "limit on the mean |engine - actor| token log-prob of that check; null = the dtype's calibrated limit "
+              "(float32 1e-4, bfloat16 0.07, float16 0.02: megarl.hybrid.verify.SYNC_CHECKS)", gt=0)
 
 
 @dataclass
@@ -171,9 +178,13 @@ class RoleConfig:
     ppo_mini_batches: int = knob(4, "optimizer steps per epoch: the step's responses are split into this many mini-batches", ge=1)
     max_tokens_per_microbatch: int = knob(16384, "tokens per forward/backward micro-batch, per DP rank", ge=1)
     loss_agg_mode: LossAggMode = knob("token-mean", "how token losses become the batch loss (normalised over the global batch)")
-    param_offload: bool = knob(False, "keep parameters on CPU outside the update")
-    grad_offload: bool = knob(False, "keep gradients on CPU outside the update")
-    optimizer_offload: bool = knob(False, "keep optimizer state on CPU outside the update")
+    param_offload: Optional[bool] = knob(None, "keep parameters on CPU outside the update; null = off, unless the start-up "
+                                               "memory check turns it on (rollout.memory_check)")
+    grad_offload: Optional[bool] = knob(None, "keep gradients on CPU outside the update; null = off, unless the start-up "
+                                              "memory check turns it on (rollout.memory_check)")
+    optimizer_offload: Optional[bool] = knob(None, "keep optimizer state (Adam moments, fp32 main parameters) on CPU outside "
+                                                   "the update; null = off, unless the start-up memory check turns it on "
+                                                   "(rollout.memory_check)")
     recompute: Literal["none", "selective", "full"] = knob("none", "activation recomputation granularity")
 
 
@@ -204,7 +215,8 @@ class CriticConfig(RoleConfig):
 
 @dataclass
 class RefConfig:
-    param_offload: bool = knob(False, "keep the reference model on CPU between its forward passes")
+    param_offload: Optional[bool] = knob(None, "keep the reference model on CPU between its forward passes; null = off, "
+                                               "unless the start-up memory check turns it on (rollout.memory_check)")
 
 
 @dataclass

@@ -394,28 +394,18 @@ class MegatronEngine:
     # --- offload ----------------------------------------------------------------------------------------------
     def offload(self) -> dict[str, int]:
         """Move what the config says (params, grads, optimizer state) to host memory; returns bytes moved."""
-        moved = {}
-        if self.cfg.param_offload and not self._offloaded.get("params"):
-            moved["params"] = offload.offload_params(self)
-            self._offloaded["params"] = True
-        if self.cfg.grad_offload and self.trainable and not self._offloaded.get("grads"):
-            moved["grads"] = offload.offload_grads(self)
-            self._offloaded["grads"] = True
-        if self.cfg.optimizer_offload and self.trainable and not self._offloaded.get("optimizer"):
-            moved["optimizer"] = offload.offload_optimizer(self)
-            self._offloaded["optimizer"] = True
+        wanted = {"params": self.cfg.param_offload, "grads": self.cfg.grad_offload and self.trainable,
+                  "optimizer": self.cfg.optimizer_offload and self.trainable}
+        parts = tuple(part for part, on in wanted.items() if on and not self._offloaded.get(part))
+        moved = offload.offload_parts(self, parts) if parts else {}  # one wait for all of them
+        self._offloaded.update({part: True for part in parts})
         self.bytes_moved["offload"] += sum(moved.values())
         return moved
 
     def onload(self, parts: tuple[str, ...] = ("params", "grads", "optimizer")) -> dict[str, int]:
         """Bring `parts` of what offload() moved back to the device; returns bytes moved."""
-        moved = {}
-        if "params" in parts and self._offloaded.pop("params", False):
-            moved["params"] = offload.onload_params(self)
-        if "grads" in parts and self._offloaded.pop("grads", False):
-            moved["grads"] = offload.onload_grads(self)
-        if "optimizer" in parts and self._offloaded.pop("optimizer", False):
-            moved["optimizer"] = offload.onload_optimizer(self)
+        back = tuple(part for part in ("params", "grads", "optimizer") if part in parts and self._offloaded.pop(part, False))
+        moved = offload.onload_parts(self, back)
         self.bytes_moved["onload"] += sum(moved.values())
         return moved
 

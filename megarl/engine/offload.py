@@ -1,35 +1,71 @@
 """Move an engine's parameters, gradients and optimizer state to host memory between phases.
 
-Each tensor is copied to a host tensor and its device storage is resized to zero (the memory is
+Each tensor is copied into a host buffer and its device storage is resized to zero (the memory is
 returned to the allocator); onload restores the storage and copies back, bit-exact. With Megatron's
 DDP the parameters and gradients live in a few contiguous buffers, so whole buffers move at once.
 On a CPU-only machine the "device" is host memory too: the mechanics (and the tests) are the same,
 only the memory saving is not.
+
+Offload is on the path of every step, so each tensor keeps one host buffer for the whole run,
+page-locked where the tensor is on CUDA (allocated once, `host_buffer`), and copies go straight
+between it and the device, asynchronously: one copy per tensor each way, and one wait per offload
+(`wait_for_copies`, before the device storage is released). Onload needs no wait: its copies are
+queued on the stream that will read the tensors, and the host buffers outlive them.
 """
 from __future__ import annotations
 
 import torch
 
-_HOST = "_megarl_host_copy"
+_HOST = "_megarl_host_buffer"
 
 
-def _offload_tensor(t: torch.Tensor) -> int:
-    host = t.detach().to("cpu", copy=True)
-    if torch.cuda.is_available() and t.is_cuda:
-        host = host.pin_memory()
-    setattr(t, _HOST, host)
-    nbytes = t.untyped_storage().nbytes()
-    t.untyped_storage().resize_(0)
+def host_buffer(t: torch.Tensor) -> torch.Tensor:
+    """A host tensor to hold `t` while it is offloaded: page-locked for a CUDA tensor (an
+    asynchronous copy needs it), allocated once per tensor and kept across steps."""
+    return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+
+
+def wait_for_copies(tensors: list[torch.Tensor]) -> None:
+    """Wait for the queued device-to-host copies of `tensors` (their streams)."""
+    for device in {t.device for t in tensors if t.is_cuda}:
+        torch.cuda.current_stream(device).synchronize()
+
+
+def offload_tensors(tensors: list[torch.Tensor]) -> int:
+    """Copy every tensor into its host buffer, wait once, release the device storages; returns bytes."""
+    _copy_to_host(tensors)
+    wait_for_copies(tensors)  # the storages must not be freed under a copy still reading them
+    return _release(tensors)
+
+
+def _copy_to_host(tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        host = getattr(t, _HOST, None)
+        if host is None or host.shape != t.shape or host.dtype != t.dtype:
+            host = host_buffer(t)
+            setattr(t, _HOST, host)
+        host.copy_(t.detach(), non_blocking=True)
+
+
+def _release(tensors: list[torch.Tensor]) -> int:
+    nbytes = 0
+    for t in tensors:
+        nbytes += t.untyped_storage().nbytes()
+        t.untyped_storage().resize_(0)
     return nbytes
 
 
-def _onload_tensor(t: torch.Tensor) -> int:
-    host = getattr(t, _HOST)
-    t.untyped_storage().resize_(host.numel() * host.element_size())
-    with torch.no_grad():
-        t.copy_(host, non_blocking=False)
-    delattr(t, _HOST)
-    return host.numel() * host.element_size()
+def onload_tensors(tensors: list[torch.Tensor]) -> int:
+    """Restore every tensor's storage and queue the copy back from its host buffer; returns bytes."""
+    nbytes = 0
+    for t in tensors:
+        host = getattr(t, _HOST)
+        size = host.numel() * host.element_size()
+        t.untyped_storage().resize_(size)
+        with torch.no_grad():
+            t.copy_(host, non_blocking=True)
+        nbytes += size
+    return nbytes
 
 
 def _ddp_buffers(engine) -> list:
@@ -51,20 +87,8 @@ def _param_tensors(engine) -> list[torch.Tensor]:
     return [p for m in engine.modules for p in m.parameters()]  # the Parameters themselves: they keep the host copy
 
 
-def offload_params(engine) -> int:
-    return sum(_offload_tensor(t) for t in _param_tensors(engine))
-
-
-def onload_params(engine) -> int:
-    return sum(_onload_tensor(t) for t in _param_tensors(engine))
-
-
-def offload_grads(engine) -> int:
-    return sum(_offload_tensor(b.grad_data) for b in _ddp_buffers(engine))
-
-
-def onload_grads(engine) -> int:
-    return sum(_onload_tensor(b.grad_data) for b in _ddp_buffers(engine))
+def grad_tensors(engine) -> list[torch.Tensor]:
+    return [b.grad_data for b in _ddp_buffers(engine)]
 
 
 def _optimizer_state_tensors(engine) -> list[torch.Tensor]:
@@ -81,12 +105,21 @@ def _optimizer_state_tensors(engine) -> list[torch.Tensor]:
     return tensors
 
 
-def offload_optimizer(engine) -> int:
-    return sum(_offload_tensor(t) for t in _optimizer_state_tensors(engine))
+PARTS = {"params": _param_tensors, "grads": grad_tensors, "optimizer": _optimizer_state_tensors}
 
 
-def onload_optimizer(engine) -> int:
-    return sum(_onload_tensor(t) for t in _optimizer_state_tensors(engine))
+def offload_parts(engine, parts: tuple[str, ...]) -> dict[str, int]:
+    """Offload `parts` (keys of PARTS) of the engine with one wait for all; bytes per part."""
+    groups = {part: PARTS[part](engine) for part in parts}
+    every = [t for ts in groups.values() for t in ts]
+    _copy_to_host(every)
+    wait_for_copies(every)
+    return {part: _release(ts) for part, ts in groups.items()}
+
+
+def onload_parts(engine, parts: tuple[str, ...]) -> dict[str, int]:
+    """Bring `parts` back (asynchronous copies, no wait); bytes per part."""
+    return {part: onload_tensors(PARTS[part](engine)) for part in parts}
 
 
 def resident_bytes(engine) -> dict[str, int]:
@@ -97,6 +130,6 @@ def resident_bytes(engine) -> dict[str, int]:
 
     return {
         "params": held(_param_tensors(engine)),
-        "grads": held(b.grad_data for b in _ddp_buffers(engine)),
+        "grads": held(grad_tensors(engine)),
         "optimizer": held(_optimizer_state_tensors(engine)),
     }

