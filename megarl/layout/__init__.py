@@ -11,11 +11,11 @@
 `megarl.parallel.ParallelDims` (process groups), config validation, the planner (`megarl.plan`),
 the model builder, the HybridEngine and the rollout builder all read it.
 """
-from megarl.layout.model import ModelShape, check_model, check_training, refuse_moe_tensor_parallel
+from megarl.layout.model import ModelShape, check_model, check_training, padded_vocab, refuse_moe_tensor_parallel
 from megarl.layout.parallel import ParallelLayout, RankCoords, check_degrees, stage_layers
 from megarl.layout.rollout import (RolloutAssignment, RolloutLayout, assign_rollout, check_rollout, hybridflow_bytes_per_rank,
                                    rollout_blocks)
 
-__all__ = ["ModelShape", "check_model", "check_training", "refuse_moe_tensor_parallel", "ParallelLayout", "RankCoords", "check_degrees",
+__all__ = ["ModelShape", "check_model", "check_training", "padded_vocab", "refuse_moe_tensor_parallel", "ParallelLayout", "RankCoords", "check_degrees",
            "stage_layers", "RolloutAssignment", "RolloutLayout", "assign_rollout", "check_rollout", "hybridflow_bytes_per_rank",
            "rollout_blocks"]

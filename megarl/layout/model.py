@@ -50,6 +50,13 @@ class ModelShape:
                    q_lora_rank=None if mla is None else mla.q_lora_rank)
 
 
+def padded_vocab(vocab: int, tp: int) -> int:
+    """Rows of Megatron's embedding / output layer: a multiple of tp (and of 128 * tp for real
+    vocabularies, for GEMM efficiency); padding rows are masked out of every log-prob."""
+    multiple = tp * (128 if vocab >= 4096 else 1)
+    return -(-vocab // multiple) * multiple
+
+
 def check_model(model: ModelShape, layout: ParallelLayout, *, training: bool = False) -> None:
     """Refuse a layout `model` cannot be split into (ValueError: one line, the key and the arithmetic).
     training=True adds what megarl's trainer cannot run yet (module docstring)."""

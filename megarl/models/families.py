@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megarl.layout.model import padded_vocab
+
 
 class UnsupportedModelError(ValueError):
     pass
@@ -112,8 +114,7 @@ class ModelSpec:
         """Vocabulary rows of the Megatron embedding/output layer: a multiple of tp (and of 128*tp
         for real vocabularies, for GEMM efficiency). Padding rows are zero and masked out of every
         log-prob, entropy and KL (`true_vocab_size`)."""
-        multiple = tp * (128 if self.vocab_size >= 4096 else 1)
-        return -(-self.vocab_size // multiple) * multiple
+        return padded_vocab(self.vocab_size, tp)
 
 
 def _rope_parameters(cfg: dict) -> tuple[float, str, dict]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megarl.layout import ModelShape, stage_layers  # noqa: F401  (stage_layers: re-exported for the planner)
+from megarl.layout.model import padded_vocab
 from megarl.models.families import FAMILIES, ModelSpec, read_hf_config, spec_from_hf_config
 
 SUPPORTED = tuple(FAMILIES)
@@ -90,8 +91,7 @@ class Arch:
 
     def padded_vocab(self, tp: int) -> int:
         """Megatron's embedding rows (megarl.models.families.ModelSpec.padded_vocab_size)."""
-        multiple = tp * (128 if self.vocab >= 4096 else 1)
-        return -(-self.vocab // multiple) * multiple
+        return padded_vocab(self.vocab, tp)
 
     def kv_cache_bytes_per_token(self, rollout_tp: int, dtype_bytes: int = 2) -> int:
         """KV cache one token takes on one rollout GPU: K and V of this GPU's kv heads in every

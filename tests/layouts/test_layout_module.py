@@ -166,3 +166,18 @@ def test_planner_reads_the_config_with_the_schemas_defaults(tmp_path):
     path.write_text(path.read_text() + "actor: {max_tokens_per_micro_batch: 8}\n")
     with pytest.raises(ConfigError, match="max_tokens_per_micro_batch"):
         load_run_config(path)  # unknown keys are refused as the trainer refuses them
+
+
+def test_compare_runs_is_bitwise_and_skips_timing(tmp_path):
+    """tests/layouts/compare_runs.py, the refactor check: one ulp apart is a difference, timing is not."""
+    import json
+    import math
+
+    from layouts.compare_runs import first_difference, load
+
+    rows = [{"step": 1, "actor/pg_loss": 0.1, "timing_s/gen": 1.0, "perf/throughput": 5.0}]
+    for name, loss, gen in (("a", 0.1, 1.0), ("b", 0.1, 2.0), ("c", math.nextafter(0.1, 1.0), 1.0)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(json.dumps({**rows[0], "actor/pg_loss": loss, "timing_s/gen": gen}) + "\n")
+    assert first_difference(load(tmp_path / "a"), load(tmp_path / "b")) is None
+    assert "actor/pg_loss" in first_difference(load(tmp_path / "a"), load(tmp_path / "c"))
