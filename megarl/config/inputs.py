@@ -44,9 +44,10 @@ def check_model_layout(cfg: Config) -> None:
     applies (megarl.layout.check_model, training rules included): heads and widths over tp,
     layers over the (uneven, virtual) pipeline stages, experts over ep, expert widths over etp, MoE
     at tp > 1, tied embeddings with vpp. config.json is read by the model builder's parser
-    (megarl.models.families). Skipped while the model is still to be made."""
+    (megarl.models.families), so a model it cannot build is refused here too. Skipped while the
+    model is still to be made."""
     from megarl.layout import ModelShape, check_model, refuse_moe_tensor_parallel
-    from megarl.models.families import UnsupportedModelError, load_spec
+    from megarl.models.families import load_spec
 
     p = cfg.parallel
     try:
@@ -54,10 +55,7 @@ def check_model_layout(cfg: Config) -> None:
             if cfg.model.make_tiny.enable and cfg.model.make_tiny.arch in TINY_MOE_ARCHS:
                 refuse_moe_tensor_parallel(p.tp, f"a tiny {cfg.model.make_tiny.arch} (model.make_tiny)")
             return
-        try:
-            spec = load_spec(cfg.model.path)
-        except UnsupportedModelError:
-            return  # the model loader reports it with its own message
+        spec = load_spec(cfg.model.path)  # UnsupportedModelError: the loader's message, here before any model exists
         # world-independent: dp = etp * ep makes every expert split divide, so only the model's rules speak
         layout = ParallelLayout(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, vpp=p.vpp, first_stage_layers=p.first_stage_layers,
                                 last_stage_layers=p.last_stage_layers, dp=(p.etp or p.tp) * p.ep)

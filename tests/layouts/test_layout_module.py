@@ -181,3 +181,17 @@ def test_compare_runs_is_bitwise_and_skips_timing(tmp_path):
         (tmp_path / name / "metrics.jsonl").write_text(json.dumps({**rows[0], "actor/pg_loss": loss, "timing_s/gen": gen}) + "\n")
     assert first_difference(load(tmp_path / "a"), load(tmp_path / "b")) is None
     assert "actor/pg_loss" in first_difference(load(tmp_path / "a"), load(tmp_path / "c"))
+
+
+def test_config_check_reads_config_json_with_the_builders_parser(tmp_path):
+    """The launcher's model check parses config.json as the model builder does, so a model the
+    builder refuses (here a family megarl does not build) is one config error before any process
+    group or model exists (it used to be skipped there and fail inside the trainer)."""
+    import json
+
+    from megarl.config.inputs import check_model_layout
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    cfg = load_config(str(REPO / "configs" / "tiny_cpu.yaml"), [f"model.path={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"model_type 'gpt2' .* is not supported; supported families: llama"):
+        check_model_layout(cfg)
