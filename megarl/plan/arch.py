@@ -1,4 +1,6 @@
-"""A model's tensors, parameter counts and FLOPs, from its Hugging Face `config.json` alone.
+"""A model's tensors, parameter counts and FLOPs, from its Hugging Face `config.json` alone, parsed
+by the model builder's parser (`megarl.models.families.spec_from_hf_config`: one reading of a
+config.json for the trainer and the planner).
 
 Covers megarl's families (llama, qwen2, qwen3, mixtral, qwen3_moe) and the 355B-671B MoE class
 megarl does not train yet: DeepSeek-V3 (`deepseek_v3`: multi-latent attention, shared experts,
