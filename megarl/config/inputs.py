@@ -45,7 +45,8 @@ def check_model_layout(cfg: Config) -> None:
     layers over the (uneven, virtual) pipeline stages, experts over ep, expert widths over etp, MoE
     at tp > 1, tied embeddings with vpp. config.json is read by the model builder's parser
     (megarl.models.families), so a model it cannot build is refused here too. Skipped while the
-    model is still to be made."""
+    model is still to be made. The critic's trunk (critic.model_path) and a reward model
+    (reward.model_path, forward only) are checked the same way."""
     from megarl.layout import ModelShape, check_model, refuse_moe_tensor_parallel
     from megarl.models.families import load_spec
 
@@ -54,14 +55,25 @@ def check_model_layout(cfg: Config) -> None:
         if not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
             if cfg.model.make_tiny.enable and cfg.model.make_tiny.arch in TINY_MOE_ARCHS:
                 refuse_moe_tensor_parallel(p.tp, f"a tiny {cfg.model.make_tiny.arch} (model.make_tiny)")
-            return
-        spec = load_spec(cfg.model.path)  # UnsupportedModelError: the loader's message, here before any model exists
-        # world-independent: dp = etp * ep makes every expert split divide, so only the model's rules speak
-        layout = ParallelLayout(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, vpp=p.vpp, first_stage_layers=p.first_stage_layers,
-                                last_stage_layers=p.last_stage_layers, dp=(p.etp or p.tp) * p.ep)
-        check_model(ModelShape.of_spec(spec), layout, training=True)
+            return  # the model is still to be made
     except ValueError as err:
         raise ConfigError(f"{err} ({cfg.model.path})") from None
+    # world-independent: dp = etp * ep makes every expert split divide, so only the model's rules speak
+    layout = ParallelLayout(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, vpp=p.vpp, first_stage_layers=p.first_stage_layers,
+                            last_stage_layers=p.last_stage_layers, dp=(p.etp or p.tp) * p.ep)
+    # Every model built on this layout: the actor (and reference), the critic's trunk (trained), a
+    # reward model (forward only).
+    models = [("model.path", cfg.model.path, True)]
+    if cfg.algorithm.adv_estimator == "gae" and cfg.critic.model_path:
+        models.append(("critic.model_path", cfg.critic.model_path, True))
+    if cfg.reward.kind == "model" and cfg.reward.model_path:
+        models.append(("reward.model_path", cfg.reward.model_path, False))
+    for key, path, training in models:
+        try:
+            spec = load_spec(path)  # UnsupportedModelError: the loader's message, here before any model exists
+            check_model(ModelShape.of_spec(spec), layout, training=training)
+        except ValueError as err:
+            raise ConfigError(f"{err} ({key} {path})") from None
 
 
 TINY_MOE_ARCHS = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe")

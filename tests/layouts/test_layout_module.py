@@ -30,7 +30,7 @@ def test_imports_without_torch():
         cfg = load_config("configs/tiny_cpu.yaml", ["parallel.tp=2"])
         print(validate(cfg, world_size=4).dp)
     """)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("\n")[:2] == ["2 [4, 4] RankCoords(pp=1, tp=1, dp=1, ep=0, cp=0, etp=1, edp=2)", "2"]
@@ -139,7 +139,7 @@ def test_launcher_refuses_hf_rollout_tp2_before_any_model(tmp_path):
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     proc = subprocess.run([sys.executable, "launch/ppo.py", "--config", "configs/tiny_cpu.yaml", "rollout.tp=2",
                            f"model.path={model}", f"trainer.run_dir={tmp_path / 'run'}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+                          cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.strip().startswith("config error: rollout.engine=hf runs one model per rank")
     assert proc.stderr.strip().count("\n") == 0
@@ -194,4 +194,21 @@ def test_config_check_reads_config_json_with_the_builders_parser(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     cfg = load_config(str(REPO / "configs" / "tiny_cpu.yaml"), [f"model.path={tmp_path}"])
     with pytest.raises(ConfigError, match=r"model_type 'gpt2' .* is not supported; supported families: llama"):
+        check_model_layout(cfg)
+
+
+def test_config_check_covers_the_critic_trunk(tmp_path):
+    """critic.model_path is built on the same layout: its heads over tp are checked before any model."""
+    import json
+
+    from megarl.config.inputs import check_model_layout
+
+    llama = {"model_type": "llama", "hidden_size": 48, "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 301}
+    for name, heads in (("actor", 4), ("critic", 3)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**llama, "num_attention_heads": heads}))
+    overrides = [f"model.path={tmp_path / 'actor'}", "parallel.tp=2", "algorithm.adv_estimator=gae", "rollout.samples_per_prompt=1"]
+    check_model_layout(load_config(str(REPO / "configs" / "tiny_cpu.yaml"), overrides))
+    cfg = load_config(str(REPO / "configs" / "tiny_cpu.yaml"), overrides + [f"critic.model_path={tmp_path / 'critic'}"])
+    with pytest.raises(ConfigError, match=r"parallel.tp = 2 does not divide the model's 3 attention heads \(llama\) \(critic.model_path "):
         check_model_layout(cfg)
