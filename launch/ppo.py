@@ -132,9 +132,9 @@ def main(argv=None) -> int:
     snapshots, problem = {}, None
     if model_refs(cfg):
         snapshots, problem = hub.resolve_on_each_node(model_refs(cfg))
-        if problem is None and rank == 0 and "model.path" in snapshots:
+        if problem is None and rank == 0:
             try:
-                check_model_layout(cfg, snapshots["model.path"].path)
+                check_model_layout(cfg, {key: snap.path for key, snap in snapshots.items()})
             except ConfigError as err:
                 problem = str(err)
     if fail(problem):

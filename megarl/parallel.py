@@ -13,10 +13,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megarl.layout import ParallelLayout, rollout_blocks
+
 
 @dataclass
 class ParallelDims:
-    """Parallel degrees of one training job. `dp` is derived: world_size / (tp * pp * cp).
+    """Parallel degrees of one training job and their process groups. `dp` is derived: world_size /
+    (tp * pp * cp); the arithmetic (checks, stage layers, rank map) is `self.layout`'s
+    (megarl.layout.ParallelLayout), this class adds Megatron's process groups.
 
     tp: tensor parallel; pp: pipeline parallel; cp: context parallel; ep: expert parallel (MoE);
     etp: expert tensor parallel (None = same as tp, Megatron's default); vpp: virtual pipeline
@@ -41,92 +45,48 @@ class ParallelDims:
             self.vpp = None
         self.validate()
 
-    # --- arithmetic ------------------------------------------------------------------------------
+    # --- arithmetic: megarl.layout.ParallelLayout's -------------------------------------------------
+    @property
+    def layout(self) -> ParallelLayout:
+        """The torch-free layout (degrees, stage layers, rank map) these process groups realise."""
+        return ParallelLayout.for_world(self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, etp=self.etp,
+                                        vpp=self.vpp, first_stage_layers=self.first_stage_layers,
+                                        last_stage_layers=self.last_stage_layers)
+
+    def validate(self) -> None:
+        self.layout  # ValueError with the arithmetic
+
     @property
     def model_parallel_size(self) -> int:
-        return self.tp * self.pp * self.cp
+        return self.layout.model_parallel_size
 
     @property
     def dp(self) -> int:
-        return self.world_size // self.model_parallel_size
+        return self.layout.dp
 
     @property
     def expert_tp(self) -> int:
-        return self.tp if self.etp is None else self.etp
-
-    def validate(self) -> None:
-        for name in ("world_size", "tp", "pp", "cp", "ep"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
-        if self.etp is not None and self.etp < 1:
-            raise ValueError(f"parallel.etp must be a positive integer or unset, got {self.etp!r}")
-        mp = self.model_parallel_size
-        if self.world_size % mp:
-            raise ValueError(
-                f"world size {self.world_size} is not divisible by tp*pp*cp = "
-                f"{self.tp}*{self.pp}*{self.cp} = {mp}; launch a multiple of {mp} processes "
-                f"or change parallel.tp / parallel.pp"
-            )
-        # Experts are laid out over etp x ep x expert-dp inside each pipeline stage.
-        per_stage = self.world_size // self.pp
-        expert_mp = self.expert_tp * self.ep
-        if per_stage % expert_mp:
-            raise ValueError(
-                f"world size {self.world_size} / pp {self.pp} = {per_stage} ranks per pipeline stage "
-                f"is not divisible by etp*ep = {self.expert_tp}*{self.ep} = {expert_mp}"
-            )
-        if self.vpp is not None and (self.vpp < 1 or self.pp == 1):
-            raise ValueError(f"parallel.vpp={self.vpp} needs parallel.pp > 1 and vpp >= 1")
-        for name in ("first_stage_layers", "last_stage_layers"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"parallel.{name} must be a positive integer or unset, got {value!r}")
-            if value is not None and self.pp == 1:
-                raise ValueError(f"parallel.{name}={value} needs parallel.pp > 1 (one stage holds every layer)")
+        return self.layout.expert_tp
 
     @property
     def chunks_per_stage(self) -> int:
         """Model chunks each pipeline rank holds: vpp with interleaving, else 1."""
-        return self.vpp or 1
+        return self.layout.chunks_per_stage
 
     def stage_layer_counts(self, num_layers: int) -> list[int]:
-        """Layers of each pipeline stage for a model of `num_layers`; ValueError shows the arithmetic
-        when they do not split (Megatron-Core's rules, said up front: megarl.plan.arch.stage_layers)."""
-        from megarl.plan.arch import stage_layers
-
-        try:
-            stages = stage_layers(num_layers, self.pp, self.first_stage_layers, self.last_stage_layers, self.vpp)
-        except ValueError as err:
-            raise ValueError(f"parallel layout {self.describe()}: {err}") from None
-        return [len(r) for r in stages]
+        """Layers of each pipeline stage for a model of `num_layers`; ValueError shows the arithmetic."""
+        return self.layout.stage_layer_counts(num_layers)
 
     def chunk_layers(self, num_layers: int) -> dict[tuple[int, int], range]:
-        """Global layers of every model chunk, keyed (pp_rank, vp_stage). Megatron's order: chunk v
-        of every stage before chunk v + 1, so with pp2 x vpp2 over 8 layers stage 0 holds 0-1 and
-        4-5 (get_transformer_layer_offset)."""
-        counts = self.stage_layer_counts(num_layers)
-        v = self.chunks_per_stage
-        out, start = {}, 0
-        for vp in range(v):
-            for pp_rank, n in enumerate(counts):
-                out[(pp_rank, vp)] = range(start, start + n // v)
-                start += n // v
-        return out
+        """Global layers of every model chunk, keyed (pp_rank, vp_stage) (ParallelLayout.chunk_layers)."""
+        return self.layout.chunk_layers(num_layers)
 
     def layer_owner(self, layer: int, num_layers: int) -> tuple[int, int]:
         """(pp_rank, vp_stage) of the chunk that holds global layer `layer`."""
-        for key, layers in self.chunk_layers(num_layers).items():
-            if layer in layers:
-                return key
-        raise ValueError(f"layer {layer} is outside a model of {num_layers} layers")
+        return self.layout.layer_owner(layer, num_layers)
 
     def describe(self) -> str:
-        ep = f" ep={self.ep} etp={self.expert_tp}" if self.ep > 1 or self.etp else ""
-        vpp = f" vpp={self.vpp}" if self.vpp else ""
-        uneven = "".join(f" {name}={getattr(self, name)}" for name in ("first_stage_layers", "last_stage_layers")
-                         if getattr(self, name) is not None)
-        return f"world={self.world_size} tp={self.tp} pp={self.pp}{vpp}{uneven} cp={self.cp} dp={self.dp}{ep}"
+        return self.layout.describe()
 
     # --- process groups --------------------------------------------------------------------------
     def initialize(self, backend: str | None = None, timeout_minutes: int = 30, seed: int = 1234) -> "ParallelDims":
@@ -278,16 +238,11 @@ class RolloutGroups:
 
     @staticmethod
     def consecutive(size: int) -> "RolloutGroups":
-        world, rank = dist.get_world_size(), dist.get_rank()
-        if size < 1 or world % size:
-            raise ValueError(f"rollout.tp={size} must divide the world size {world} (rollout engines are blocks of "
-                             f"rollout.tp consecutive ranks); choose a divisor of {world}")
-        mine = None
-        for start in range(0, world, size):  # every block on every rank, in the same order
-            ranks = tuple(range(start, start + size))
+        rank, mine = dist.get_rank(), None
+        for index, ranks in enumerate(rollout_blocks(dist.get_world_size(), size)):  # every block on every rank, in order
             group = dist.new_group(list(ranks)) if size > 1 else None
             if rank in ranks:
-                mine = RolloutGroups(size, group, ranks, rank - start, start // size)
+                mine = RolloutGroups(size, group, ranks, ranks.index(rank), index)
         return mine
 
 

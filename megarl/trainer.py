@@ -42,7 +42,6 @@ from megarl.global_batch import GlobalBatch, LocalStats
 from megarl.guards import Guards
 from megarl.hybrid.dispatch import DispatchGroups, generate_for_training
 from megarl.hybrid.engine import HybridEngine, release_cached_device_memory
-from megarl.hybrid.layout import TrainLayout
 from megarl.hybrid.verify import WeightSyncMismatch, mismatch_message, sync_limits, sync_problem, sync_stats, token_prob_diff
 from megarl.models import moe_routing
 from megarl.models.moe_routing import RouterOptions
@@ -158,7 +157,7 @@ class Trainer:
         self.rollout = setup.engine
         self._setup_moe_routing(cfg)
         self.weight_path = setup.weight_path  # "direct" or "full" (megarl.rollout.RolloutSetup)
-        self.hybrid = HybridEngine(self._actor_shards(), train=TrainLayout(tp=dims.tp, pp=dims.pp, dp=dims.dp, ep=dims.ep),
+        self.hybrid = HybridEngine(self._actor_shards(), train=dims.layout,
                                    rollout=setup.weight_layout, bucket_bytes=r.bucket_bytes, convert=setup.convert)
         self.dispatch = DispatchGroups(mp_group=dims.mp_group, mp_rank=dist.get_rank(dims.mp_group), mp_size=dist.get_world_size(dims.mp_group),
                                        rollout_group=groups.group, rollout_rank=groups.rank, rollout_size=groups.size)

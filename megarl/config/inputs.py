@@ -11,6 +11,7 @@ import os
 
 from megarl import checkpoint_io, hub
 from megarl.config.schema import Config, ConfigError
+from megarl.layout import ParallelLayout
 
 
 def check_inputs(cfg: Config, overrides=()) -> None:
@@ -67,62 +68,61 @@ def check_model_path(cfg: Config) -> None:
                 raise ConfigError(hub.not_cached_message(ref, key))
 
 
-def check_model_layout(cfg: Config, model_dir: str | None = None) -> None:
-    """The parallel layout against the model's config.json (read by the planner's torch-free
-    `megarl.plan.arch`): heads over tp, layers over the pipeline stages (uneven end stages, vpp
-    chunks), experts over ep, expert widths over etp. Skipped while the model is still to be made
-    or downloaded. `model_dir`: where model.path's files are (its hub snapshot), default model.path."""
-    from megarl.plan.arch import arch_from_config, load_config, stage_layers
+def check_model_layout(cfg: Config, model_dirs: dict[str, str] | None = None) -> None:
+    """The parallel layout against the model's config.json, with the rules the model builder
+    applies (megarl.layout.check_model, training rules included): heads and widths over tp,
+    layers over the (uneven, virtual) pipeline stages, experts over ep, expert widths over etp, MoE
+    at tp > 1, tied embeddings with vpp. config.json is read by the model builder's parser
+    (megarl.models.families), so a model it cannot build is refused here too. Skipped while the
+    model is still to be made or downloaded. The critic's trunk (critic.model_path) and a reward model
+    (reward.model_path, forward only) are checked the same way. `model_dirs`: {config key: local
+    directory} of models named by hub id and resolved since (the launcher checks again with them)."""
+    from megarl.layout import ModelShape, check_model, refuse_moe_tensor_parallel
+    from megarl.models.families import load_spec
 
-    if model_dir is None:
-        ref = None if cfg.model.make_tiny.enable else hub.parse_hub_id(cfg.model.path)
-        snap = hub.cached(ref) if ref is not None else None
-        if ref is not None and snap is None:
-            return  # to be downloaded: the launcher checks again with the snapshot
-        model_dir = cfg.model.path if snap is None else snap.path
-    path = os.path.join(model_dir, "config.json")
+    resolved = dict(model_dirs or {})
+
+    def local_dir(key: str, path: str) -> str | None:
+        """Where the model's files are: a directory, a cached hub snapshot, or None (not yet here)."""
+        if key in resolved:
+            return resolved[key]
+        ref = None if key == "model.path" and cfg.model.make_tiny.enable else hub.parse_hub_id(path)
+        if ref is None:
+            return path
+        snap = hub.cached(ref)
+        return None if snap is None else snap.path
+
     p = cfg.parallel
-    if not os.path.isfile(path):
-        if cfg.model.make_tiny.enable and cfg.model.make_tiny.arch in TINY_MOE_ARCHS:
-            check_moe_tensor_parallel(p.tp, f"a tiny {cfg.model.make_tiny.arch} (model.make_tiny)")
-        return
+    model_dir = local_dir("model.path", cfg.model.path)
     try:
-        arch = arch_from_config(load_config(path))
-    except ValueError:
-        return  # not a family the planner knows: the model loader reports it with its own message
-    etp = p.etp or p.tp
-    checks = [(arch.heads, p.tp, "attention heads", "parallel.tp"), (arch.kv_heads, p.tp, "key/value heads", "parallel.tp")]
-    if arch.experts:
-        checks += [(arch.experts, p.ep, "routed experts", "parallel.ep"), (arch.moe_ffn, etp, "expert ffn width", "parallel.etp")]
-    elif p.ep > 1:
-        raise ConfigError(f"parallel.ep = {p.ep} needs a mixture-of-experts model; {cfg.model.path} is a dense {arch.model_type}")
-    for count, size, what, key in checks:
-        if count % size:
-            raise ConfigError(f"{key} = {size} does not divide the model's {count} {what} ({cfg.model.path})")
-    if arch.experts:
-        check_moe_tensor_parallel(p.tp, f"{cfg.model.path} (a {arch.model_type} mixture-of-experts model)")
-    if p.vpp and p.vpp > 1 and arch.tie_embeddings:
-        raise ConfigError(f"parallel.vpp = {p.vpp} with a model whose embeddings are tied ({cfg.model.path}): Megatron-Core's "
-                          f"optimizer checkpoint does not restore this combination correctly; use parallel.vpp=null")
-    try:
-        stage_layers(arch.num_layers, p.pp, p.first_stage_layers, p.last_stage_layers, p.vpp)
+        if model_dir is None or not os.path.isfile(os.path.join(model_dir, "config.json")):
+            if cfg.model.make_tiny.enable and cfg.model.make_tiny.arch in TINY_MOE_ARCHS:
+                refuse_moe_tensor_parallel(p.tp, f"a tiny {cfg.model.make_tiny.arch} (model.make_tiny)")
+            return  # the model is still to be made or downloaded
     except ValueError as err:
-        raise ConfigError(f"parallel.pp / first_stage_layers / last_stage_layers / vpp: {err} ({cfg.model.path})") from None
+        raise ConfigError(f"{err} ({cfg.model.path})") from None
+    # world-independent: dp = etp * ep makes every expert split divide, so only the model's rules speak
+    layout = ParallelLayout(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, vpp=p.vpp, first_stage_layers=p.first_stage_layers,
+                            last_stage_layers=p.last_stage_layers, dp=(p.etp or p.tp) * p.ep)
+    # Every model built on this layout: the actor (and reference), the critic's trunk (trained), a
+    # reward model (forward only).
+    models = [("model.path", cfg.model.path, True)]
+    if cfg.algorithm.adv_estimator == "gae" and cfg.critic.model_path:
+        models.append(("critic.model_path", cfg.critic.model_path, True))
+    if cfg.reward.kind == "model" and cfg.reward.model_path:
+        models.append(("reward.model_path", cfg.reward.model_path, False))
+    for key, path, training in models:
+        directory = local_dir(key, path)
+        if directory is None:
+            continue  # a hub id not yet downloaded: the launcher checks again with its snapshot
+        try:
+            spec = load_spec(directory)  # UnsupportedModelError: the loader's message, here before any model exists
+            check_model(ModelShape.of_spec(spec), layout, training=training)
+        except ValueError as err:
+            raise ConfigError(f"{err} ({key} {path})") from None
 
 
 TINY_MOE_ARCHS = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe")
-
-
-def check_moe_tensor_parallel(tp: int, model: str) -> None:
-    """MoE training at parallel.tp > 1 is refused: Megatron-Core's MoE layer supports it only with
-    sequence parallelism, which megarl does not have. Without it every TP rank holds the whole
-    sequence and the token dispatcher gathers it once per TP rank, so each expert sees every token
-    tp times and its gradient comes out tp times too large (measured: tests/moe); Megatron-Core
-    refuses the combination in training. Forward-only tools (megarl.tools.logprobs) may use tp > 1."""
-    if tp > 1:
-        raise ConfigError(f"parallel.tp = {tp} with {model}: MoE training needs sequence parallelism at tp > 1, "
-                          f"which megarl does not have; use parallel.tp=1 and split the model with parallel.ep / "
-                          f"parallel.etp / parallel.pp")
 
 
 def check_data_files(cfg: Config, overrides=()) -> None:

@@ -11,7 +11,8 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
-from megarl.config.schema import ADV_ESTIMATORS_WITH_GROUPS, ActorConfig, Config, ConfigError, convert, hints
+from megarl.config.schema import ADV_ESTIMATORS_WITH_GROUPS, ActorConfig, Config, ConfigError, ParallelConfig, convert, hints
+from megarl.layout import ParallelLayout, check_degrees, check_rollout
 
 
 @dataclass(frozen=True)
@@ -64,14 +65,20 @@ def validate(cfg: Config, world_size: int | None = None) -> BatchSizes | None:
     # Accepted by ParallelDims, not yet by the engine's forward paths: refuse rather than run wrong.
     if p.cp != 1:
         raise ConfigError(f"parallel.cp = {p.cp}: context parallelism is not supported by the trainer yet; use parallel.cp=1")
-    if p.vpp is not None and p.vpp > 1 and p.pp == 1:
-        raise ConfigError(f"parallel.vpp = {p.vpp} needs parallel.pp > 1 (virtual stages interleave pipeline stages)")
-    for key in ("first_stage_layers", "last_stage_layers"):
-        if getattr(p, key) is not None and p.pp == 1:
-            raise ConfigError(f"parallel.{key} = {getattr(p, key)} needs parallel.pp > 1 (one stage holds every layer)")
+    try:  # the layout's own checks (megarl.layout): degrees, and the rollout engine's tp, before any model exists
+        check_degrees(p.tp, p.pp, p.cp, p.ep, p.etp, p.vpp, p.first_stage_layers, p.last_stage_layers)
+        check_rollout(cfg.rollout.engine, cfg.rollout.tp)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if world_size is None:
         return None
     return _check_layout(cfg, world_size)
+
+
+def layout_of(p: ParallelConfig, world_size: int) -> ParallelLayout:
+    """The torch-free layout of `parallel.*` on `world_size` ranks (ValueError with the arithmetic)."""
+    return ParallelLayout.for_world(world_size, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, vpp=p.vpp,
+                                    first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers)
 
 
 def _check_unworkable(cfg: Config) -> None:
@@ -127,19 +134,12 @@ def _check_layout(cfg: Config, world_size: int) -> BatchSizes:
     p = cfg.parallel
     if world_size < 1:
         raise ConfigError(f"world size must be >= 1, got {world_size}")
-    # The same arithmetic as ParallelDims.model_parallel_size / .dp (config does not import torch).
+    try:  # ParallelDims' arithmetic, torch-free
+        dp = layout_of(p, world_size).dp
+        check_rollout(cfg.rollout.engine, cfg.rollout.tp, world_size)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     model_parallel = p.tp * p.pp * p.cp
-    if world_size % model_parallel:
-        raise ConfigError(f"world size {world_size} is not divisible by parallel.tp * parallel.pp * parallel.cp "
-                          f"= {p.tp} * {p.pp} * {p.cp} = {model_parallel}")
-    dp = world_size // model_parallel
-    etp = p.etp or p.tp
-    expert_parallel = etp * p.ep * p.pp
-    if world_size % expert_parallel:
-        raise ConfigError(f"world size {world_size} is not divisible by parallel.etp * parallel.ep * parallel.pp "
-                          f"= {etp} * {p.ep} * {p.pp} = {expert_parallel}")
-    if world_size % cfg.rollout.tp:
-        raise ConfigError(f"world size {world_size} is not divisible by rollout.tp = {cfg.rollout.tp}")
     prompts, n = cfg.data.prompts_per_step, cfg.rollout.samples_per_prompt
     if prompts % dp:
         raise ConfigError(f"data.prompts_per_step = {prompts} is not divisible by the data-parallel size {dp} "

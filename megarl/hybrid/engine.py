@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from megarl.hybrid.layout import RolloutLayout, TrainLayout, assign_rollout, hybridflow_bytes_per_rank
+from megarl.layout import ParallelLayout, RolloutLayout, assign_rollout, hybridflow_bytes_per_rank
 from megarl.hybrid.plan import Plan, build_specs, make_plan
 from megarl.hybrid.transfer import Converter, MemoryMeter, PlanRunner, TransferStats, identity_convert
 from megarl.models.sharding import ShardMeta
@@ -56,12 +56,12 @@ class HybridEngine:
     bucket_bytes: the most bytes one bucket stages on a rank (send + receive).
     """
 
-    def __init__(self, local_shards: LocalShards, *, train: TrainLayout, rollout: RolloutLayout = RolloutLayout(),
+    def __init__(self, local_shards: LocalShards, *, train: ParallelLayout, rollout: RolloutLayout = RolloutLayout(),
                  bucket_bytes: int = 512 << 20, convert: Converter | None = None, device: torch.device | str | None = None):
         if not dist.is_initialized():
             raise ValueError("HybridEngine needs torch.distributed initialised (gloo on CPU, nccl on GPU)")
         if dist.get_world_size() != train.world_size:
-            raise ValueError(f"world size {dist.get_world_size()} != tp {train.tp} x pp {train.pp} x dp {train.dp} = {train.world_size}")
+            raise ValueError(f"world size {dist.get_world_size()} != {train.describe()}")
         self.rank = dist.get_rank()
         self.train, self.rollout = train, rollout
         self.convert = convert or identity_convert

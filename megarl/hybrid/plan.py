@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megarl.hybrid.layout import RolloutAssignment, TrainLayout
+from megarl.layout import ParallelLayout, RolloutAssignment
 
 ALIGN = 8  # bytes; every chunk starts aligned so a byte buffer can be viewed as any dtype
 
@@ -163,7 +163,7 @@ class Bucket:
 class Plan:
     specs: dict[str, TensorSpec]
     order: list[str]
-    train: TrainLayout
+    train: ParallelLayout
     assignment: RolloutAssignment
     rollout_tp: int
     bucket_bytes: int
@@ -225,7 +225,7 @@ def build_specs(per_rank_meta: list[list[tuple]]) -> dict[str, TensorSpec]:
     return specs
 
 
-def make_plan(specs: dict[str, TensorSpec], train: TrainLayout, assignment: RolloutAssignment, rollout_tp: int,
+def make_plan(specs: dict[str, TensorSpec], train: ParallelLayout, assignment: RolloutAssignment, rollout_tp: int,
               bucket_bytes: int, rollout_rows: dict[str, tuple[tuple[int, int], ...]] | None = None) -> Plan:
     """Decide sources, cut buckets, and group each bucket's transfers into collective ops.
 
@@ -248,7 +248,7 @@ def make_plan(specs: dict[str, TensorSpec], train: TrainLayout, assignment: Roll
     q_of = assignment.rollout_tp_rank
     group_of_rank = {r: g for g in assignment.micro_dp_groups for r in g}
     group_members = {g: set(g) for g in assignment.micro_dp_groups}
-    dp_of = [train.coords(r).dp for r in range(W)]
+    dp_of = [train.replica(r) for r in range(W)]  # the training replica (cp_rank + cp * dp_rank)
     micro_groups = set(assignment.micro_dp_groups)
     for name, s in specs.items():
         if s.tp_dim is not None:

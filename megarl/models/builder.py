@@ -10,7 +10,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from megarl.models.families import ModelSpec, check_layout
+from megarl.layout import ModelShape, check_model
+from megarl.models.families import ModelSpec
 from megarl.models.moe_routing import RouterOptions, router_config, use_hf_group_limited_topk
 from megarl.parallel import ParallelDims
 from megarl.platform import current_platform
@@ -55,9 +56,7 @@ def build_transformer_config(spec: ModelSpec, dims: ParallelDims, dtype: torch.d
 
     from megarl.platform import cpu_compat
 
-    uneven = dims.first_stage_layers is not None or dims.last_stage_layers is not None
-    check_layout(spec, dims.tp, dims.pp, dims.ep, dims.etp, uneven_stages=uneven)
-    dims.stage_layer_counts(spec.num_layers)  # uneven end stages and vpp chunks must split the layers
+    check_model(ModelShape.of_spec(spec), dims.layout)  # heads, widths, stages, experts: megarl.layout's rules
     platform = current_platform()
     moe = {}
     if spec.is_moe:

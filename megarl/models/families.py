@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megarl.layout.model import padded_vocab
+
 
 class UnsupportedModelError(ValueError):
     pass
@@ -112,8 +114,7 @@ class ModelSpec:
         """Vocabulary rows of the Megatron embedding/output layer: a multiple of tp (and of 128*tp
         for real vocabularies, for GEMM efficiency). Padding rows are zero and masked out of every
         log-prob, entropy and KL (`true_vocab_size`)."""
-        multiple = tp * (128 if self.vocab_size >= 4096 else 1)
-        return -(-self.vocab_size // multiple) * multiple
+        return padded_vocab(self.vocab_size, tp)
 
 
 def _rope_parameters(cfg: dict) -> tuple[float, str, dict]:
@@ -354,46 +355,22 @@ def spec_from_hf_config(cfg: dict) -> ModelSpec:
         raise UnsupportedModelError(f"config.json of a {model_type} model lacks the key {missing}") from None
 
 
+def read_hf_config(path: str | Path) -> dict:
+    """A Hugging Face config.json (the file, or the model directory holding it) as a dict: the one
+    reader of config.json, for the model builder and the planner alike. UnsupportedModelError (a
+    ValueError) names the path when it is missing or not JSON."""
+    p = Path(path)
+    if not p.is_file():
+        p = p / "config.json"
+    if not p.is_file():
+        raise UnsupportedModelError(f"{path} is not a Hugging Face model directory: {p} does not exist (pass the model "
+                                    f"directory, or its config.json)")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as err:
+        raise UnsupportedModelError(f"{p} is not valid JSON: {err}") from None
+
+
 def load_spec(model_dir: str | Path) -> ModelSpec:
     """Read `<model_dir>/config.json` into a ModelSpec, with errors that name the directory."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise UnsupportedModelError(f"{model_dir} is not a Hugging Face model directory: {path} does not exist")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise UnsupportedModelError(f"{path} is not valid JSON: {err}") from None
-    return spec_from_hf_config(cfg)
-
-
-def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1, etp: int | None = None, uneven_stages: bool = False) -> None:
-    """Refuse a parallel layout the model cannot be split into, showing the arithmetic. With
-    `uneven_stages` the stage split is ParallelDims.stage_layer_counts' to check."""
-    if spec.num_heads % tp:
-        raise ValueError(f"{spec.num_heads} attention heads are not divisible by tp={tp}")
-    if spec.num_kv_heads % tp:
-        raise ValueError(
-            f"{spec.num_kv_heads} key/value heads are not divisible by tp={tp}; "
-            f"use a tp that divides {spec.num_kv_heads}"
-        )
-    if spec.mla is not None:
-        # Megatron's local MLA splits the down projections' output rows over tp (and gathers them).
-        kv_rows = spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim
-        if kv_rows % tp:
-            raise ValueError(f"kv_lora_rank + qk_rope_head_dim = {kv_rows} is not divisible by tp={tp}")
-        if spec.mla.q_lora_rank is not None and spec.mla.q_lora_rank % tp:
-            raise ValueError(f"q_lora_rank {spec.mla.q_lora_rank} is not divisible by tp={tp}")
-    if spec.ffn_hidden_size % tp:
-        raise ValueError(f"ffn hidden size {spec.ffn_hidden_size} is not divisible by tp={tp}")
-    if not uneven_stages and spec.num_layers % pp:
-        raise ValueError(f"{spec.num_layers} layers are not divisible by pp={pp}")
-    if spec.is_moe:
-        if spec.num_experts % ep:
-            raise ValueError(f"{spec.num_experts} experts are not divisible by ep={ep}")
-        etp = tp if etp is None else etp
-        if spec.moe_ffn_hidden_size % etp:
-            raise ValueError(f"expert ffn hidden size {spec.moe_ffn_hidden_size} is not divisible by etp={etp}")
-        if spec.moe_shared_ffn_hidden_size and spec.moe_shared_ffn_hidden_size % tp:
-            raise ValueError(f"shared-expert ffn hidden size {spec.moe_shared_ffn_hidden_size} is not divisible by tp={tp}")
-    elif ep != 1:
-        raise ValueError(f"ep={ep} needs a mixture-of-experts model; {spec.family} is dense")
+    return spec_from_hf_config(read_hf_config(model_dir))

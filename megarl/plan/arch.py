@@ -1,4 +1,6 @@
-"""A model's tensors, parameter counts and FLOPs, from its Hugging Face `config.json` alone.
+"""A model's tensors, parameter counts and FLOPs, from its Hugging Face `config.json` alone, parsed
+by the model builder's parser (`megarl.models.families.spec_from_hf_config`: one reading of a
+config.json for the trainer and the planner).
 
 Covers megarl's families (llama, qwen2, qwen3, mixtral, qwen3_moe) and the 355B-671B MoE class
 megarl does not train yet: DeepSeek-V3 (`deepseek_v3`: multi-latent attention, shared experts,
@@ -13,12 +15,15 @@ splits it:
 from __future__ import annotations
 
 import functools
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe")
+from megarl.layout import ModelShape, stage_layers  # noqa: F401  (stage_layers: re-exported for the planner)
+from megarl.layout.model import padded_vocab
+from megarl.models.families import FAMILIES, ModelSpec, read_hf_config, spec_from_hf_config
+
+SUPPORTED = tuple(FAMILIES)
 
 
 @dataclass(frozen=True)
@@ -77,10 +82,18 @@ class Arch:
     def is_moe_layer(self, layer: int) -> bool:
         return self.is_moe and layer >= self.first_dense_layers
 
+    @property
+    def shape(self) -> ModelShape:
+        """What the layout rules read (megarl.layout.check_model)."""
+        return ModelShape(name=self.model_type, num_layers=self.num_layers, heads=self.heads, kv_heads=self.kv_heads,
+                          ffn=self.ffn, tie_embeddings=self.tie_embeddings, experts=self.experts, moe_ffn=self.moe_ffn,
+                          shared_ffn=self.shared_experts * self.moe_ffn,
+                          mla_kv_rows=self.kv_lora_rank + self.qk_rope_head_dim if self.mla else None,
+                          q_lora_rank=self.q_lora_rank if self.mla else None)
+
     def padded_vocab(self, tp: int) -> int:
         """Megatron's embedding rows (megarl.models.families.ModelSpec.padded_vocab_size)."""
-        multiple = tp * (128 if self.vocab >= 4096 else 1)
-        return -(-self.vocab // multiple) * multiple
+        return padded_vocab(self.vocab, tp)
 
     def kv_cache_bytes_per_token(self, rollout_tp: int, dtype_bytes: int = 2) -> int:
         """KV cache one token takes on one rollout GPU: K and V of this GPU's kv heads in every
@@ -93,53 +106,32 @@ class Arch:
 
 
 def load_config(path: str | Path) -> dict:
-    """A HF config.json (or a directory holding one) as a dict; ValueError naming the problem."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    if not p.is_file():
-        raise ValueError(f"{path}: no config.json there; pass a Hugging Face config.json or the model directory holding it")
-    try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{p} is not valid JSON: {err}") from None
+    """A HF config.json (or a directory holding one) as a dict; ValueError naming the problem
+    (megarl.models.families.read_hf_config, the model builder's reader)."""
+    return read_hf_config(path)
 
 
 def arch_from_config(cfg: dict) -> Arch:
-    """Read the sizes of a supported family; ValueError naming a missing key or the family."""
-    mt = cfg.get("model_type")
-    if mt not in SUPPORTED:
-        raise ValueError(f"model_type {mt!r} is not one the planner knows; supported: {', '.join(SUPPORTED)}")
-    try:
-        heads = cfg["num_attention_heads"]
-        common = dict(model_type=mt, hidden=cfg["hidden_size"], num_layers=cfg["num_hidden_layers"], vocab=cfg["vocab_size"],
-                      heads=heads, kv_heads=cfg.get("num_key_value_heads") or heads,
-                      head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, ffn=cfg["intermediate_size"],
-                      tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
-        if mt == "llama":
-            return Arch(**common)
-        if mt == "qwen2":
-            return Arch(**common, qkv_bias=True)
-        if mt == "qwen3":
-            return Arch(**common, qkv_bias=bool(cfg.get("attention_bias", False)), qk_norm=True)
-        if mt == "mixtral":
-            return Arch(**common, experts=cfg["num_local_experts"], topk=cfg["num_experts_per_tok"], moe_ffn=cfg["intermediate_size"])
-        if mt == "qwen3_moe":
-            return Arch(**common, qkv_bias=bool(cfg.get("attention_bias", False)), qk_norm=True,
-                        experts=cfg.get("num_experts") or cfg["num_local_experts"], topk=cfg["num_experts_per_tok"],
-                        moe_ffn=cfg["moe_intermediate_size"])
-        moe = dict(experts=cfg["n_routed_experts"], topk=cfg["num_experts_per_tok"], moe_ffn=cfg["moe_intermediate_size"],
-                   shared_experts=cfg.get("n_shared_experts") or 0, first_dense_layers=cfg.get("first_k_dense_replace", 0),
-                   router_bias=cfg.get("topk_method", "noaux_tc") == "noaux_tc",
-                   mtp_layers=cfg.get("num_nextn_predict_layers", 0) or 0)
-        if mt == "glm4_moe":
-            return Arch(**common, **moe, qkv_bias=bool(cfg.get("attention_bias", False)), qk_norm=bool(cfg.get("use_qk_norm", False)))
-        # deepseek_v3
-        return Arch(**common, **moe, mla=True, q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"],
-                    qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
-                    v_head_dim=cfg["v_head_dim"])
-    except KeyError as missing:
-        raise ValueError(f"config.json of a {mt} model lacks the key {missing}") from None
+    """Read the sizes of a supported family with the model builder's parser
+    (megarl.models.families.spec_from_hf_config); ValueError naming a missing key or the family."""
+    return arch_from_spec(spec_from_hf_config(cfg))
+
+
+def arch_from_spec(spec: ModelSpec) -> Arch:
+    """The planner's view of a ModelSpec."""
+    mla = spec.mla
+    common = dict(model_type=spec.family, hidden=spec.hidden_size, num_layers=spec.num_layers, vocab=spec.vocab_size,
+                  heads=spec.num_heads, kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, ffn=spec.ffn_hidden_size,
+                  tie_embeddings=spec.tie_embeddings, qkv_bias=spec.qkv_bias, qk_norm=spec.qk_norm)
+    if mla is not None:
+        common.update(mla=True, q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank,
+                      qk_nope_head_dim=mla.qk_nope_head_dim, qk_rope_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim)
+    if spec.is_moe:
+        common.update(experts=spec.num_experts, topk=spec.moe_topk, moe_ffn=spec.moe_ffn_hidden_size,
+                      shared_experts=(spec.moe_shared_ffn_hidden_size or 0) // spec.moe_ffn_hidden_size,
+                      first_dense_layers=spec.moe_first_dense_layers, router_bias=spec.moe_expert_bias,
+                      mtp_layers=spec.mtp_layers)
+    return Arch(**common)
 
 
 def attention_tensors(a: Arch) -> list[Tensor]:
@@ -255,42 +247,6 @@ def train_flops_per_token(a: Arch, seq_len: int, recompute: str = "none", critic
     recompute="none" for MFU)."""
     fwd = forward_flops_per_token(a, seq_len / 2, critic)
     return fwd * (4 if recompute == "full" else 3)
-
-
-def stage_layers(num_layers: int, pp: int, first: int | None = None, last: int | None = None, vpp: int | None = 1) -> list[range]:
-    """Layers of each pipeline stage: `first`/`last` layers on the end stages (Megatron's
-    num_layers_in_first/last_pipeline_stage), the rest split evenly; with `vpp` virtual stages each
-    stage's layers must also cut into vpp equal chunks. ValueError shows the arithmetic. The one
-    copy of Megatron-Core's rules (TransformerConfig), used by the planner and by ParallelDims."""
-    vpp = vpp or 1
-    if pp == 1:
-        if first not in (None, num_layers) or last not in (None, num_layers):
-            raise ValueError("--first-stage-layers/--last-stage-layers need pp > 1")
-        return [range(num_layers)]
-    f = first if first is not None else None
-    lst = last if last is not None else None
-    middle_stages = pp - (f is not None) - (lst is not None)
-    rest = num_layers - (f or 0) - (lst or 0)
-    if rest < 0 or (middle_stages == 0 and rest != 0) or (middle_stages and (rest == 0 or rest % middle_stages)):
-        raise ValueError(f"{num_layers} layers do not split over pp={pp}: first stage {f}, last stage {lst}, "
-                         f"{rest} layers left for {middle_stages} stages; choose first/last stage layers so that "
-                         f"num_layers - first - last is a positive multiple of the other stages")
-    if vpp > 1 and middle_stages == 0:
-        # Megatron-Core 0.16's get_transformer_layer_offset divides by the middle stages under vpp
-        raise ValueError(f"with vpp={vpp}, pp={pp} has no middle stage when both first and last stage layers are set; "
-                         f"set only one of them (the other stage takes the rest)")
-    per = rest // middle_stages if middle_stages else 0
-    sizes = [per] * pp
-    if f is not None:
-        sizes[0] = f
-    if lst is not None:
-        sizes[-1] = lst
-    bad = [(stage, n) for stage, n in enumerate(sizes) if n % vpp]
-    if bad:
-        raise ValueError(f"pipeline stage {bad[0][0]} has {bad[0][1]} layers, not divisible by vpp={vpp} (each stage is "
-                         f"cut into vpp equal model chunks); stage layers: {sizes}")
-    starts = [sum(sizes[:i]) for i in range(pp)]
-    return [range(s, s + n) for s, n in zip(starts, sizes)]
 
 
 def divisors(n: int) -> list[int]:

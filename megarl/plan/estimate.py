@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 from megarl.plan.arch import (Arch, Tensor, embedding_tensor, forward_flops_per_token, head_tensors, layer_tensors,
                               params_active, params_mtp, params_total, stage_layers, train_flops_per_token)
+from megarl.layout import ParallelLayout, RolloutLayout, assign_rollout, check_model, check_rollout, hybridflow_bytes_per_rank
 from megarl.plan.hardware import GPU
 
 GIB = 2**30
@@ -75,31 +76,23 @@ class Cluster:
     gpu: GPU
 
 
-def check(arch: Arch, lay: Layout, cl: Cluster) -> tuple[int, int]:
-    """(dp, expert dp); ValueError with the arithmetic when the layout does not divide."""
+def parallel_layout(lay: Layout, gpus: int) -> ParallelLayout:
+    """The training layout of `lay` on `gpus` GPUs (megarl.layout: dp derived, degrees checked)."""
     mp = lay.tp * lay.pp * lay.cp
-    if cl.gpus % mp:
-        raise ValueError(f"--gpus {cl.gpus} is not divisible by tp {lay.tp} x pp {lay.pp} x cp {lay.cp} = {mp}")
-    dp = cl.gpus // mp
-    if arch.heads % lay.tp or (not arch.mla and arch.kv_heads % lay.tp):
-        raise ValueError(f"tp={lay.tp} must divide the {arch.heads} attention heads and {arch.kv_heads} key/value heads")
-    if not arch.is_moe and (lay.ep != 1 or lay.etp not in (None, lay.tp)):
-        raise ValueError(f"--ep/--etp need a mixture-of-experts model; this {arch.model_type} model is dense")
-    edp = 1
-    if arch.is_moe:
-        if arch.experts % lay.ep:
-            raise ValueError(f"{arch.experts} experts are not divisible by ep={lay.ep}")
-        width = lay.tp * dp * lay.cp
-        if width % (lay.ep * lay.expert_tp):
-            raise ValueError(f"ep {lay.ep} x etp {lay.expert_tp} must divide tp x dp x cp = {width} (Megatron carves "
-                             f"expert parallelism out of them)")
-        edp = width // (lay.ep * lay.expert_tp)
-    if cl.gpus % lay.rollout_tp:
-        raise ValueError(f"--rollout-tp {lay.rollout_tp} must divide --gpus {cl.gpus}")
-    if lay.vpp > 1 and lay.pp == 1:
-        raise ValueError("--vpp > 1 needs --pp > 1")
-    stage_layers(arch.num_layers, lay.pp, lay.first_stage_layers, lay.last_stage_layers, lay.vpp)
-    return dp, edp
+    if gpus % mp:
+        raise ValueError(f"--gpus {gpus} is not divisible by tp {lay.tp} x pp {lay.pp} x cp {lay.cp} = {mp}")
+    return ParallelLayout.for_world(gpus, tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, etp=lay.etp, vpp=lay.vpp,
+                                    first_stage_layers=lay.first_stage_layers, last_stage_layers=lay.last_stage_layers)
+
+
+def check(arch: Arch, lay: Layout, cl: Cluster) -> tuple[int, int]:
+    """(dp, expert dp); ValueError with the arithmetic when the layout does not divide. The rules
+    are megarl.layout's, Megatron-Core's only: a plan may show a layout megarl's trainer refuses
+    today (MoE at tp > 1, which needs sequence parallelism)."""
+    par = parallel_layout(lay, cl.gpus)
+    check_model(arch.shape, par)
+    check_rollout("", lay.rollout_tp, cl.gpus)
+    return par.dp, par.expert_dp if arch.is_moe else 1
 
 
 # --- what one GPU holds ----------------------------------------------------------------------------
@@ -334,10 +327,8 @@ def sync_bytes(arch: Arch, lay: Layout, gpus: int, dp: int, dtype_bytes: int = 2
     training shard already holds; HybridFlow's bound is (t*p - t_g) / (t_g*t*p) * M; the naive
     path (verl's per-tensor all-gather) gathers every full tensor on every rank (dense models).
     """
-    from megarl.hybrid.layout import RolloutLayout, TrainLayout, assign_rollout, hybridflow_bytes_per_rank
-
     G = lay.rollout_tp
-    train = TrainLayout(tp=lay.tp, pp=lay.pp, dp=dp * lay.cp)
+    train = ParallelLayout(tp=lay.tp, pp=lay.pp, dp=dp, cp=lay.cp)  # the dense rank map
     q_of = assign_rollout(train, RolloutLayout(G)).rollout_tp_rank
     per_stage = []
     for s in range(lay.pp):
@@ -412,7 +403,7 @@ def balanced_split(num_layers: int, pp: int) -> tuple[int | None, int | None] | 
 
 def search(arch: Arch, run: RunShape, cl: Cluster, top: int = 5, base: Layout | None = None) -> list[dict]:
     """Layouts that fit, fastest estimated step first: tp (powers of 2 within a node; 1 for MoE,
-    whose training megarl refuses at tp > 1: megarl.config.inputs.check_moe_tensor_parallel), pp up
+    whose training megarl refuses at tp > 1: megarl.layout.refuse_moe_tensor_parallel), pp up
     to 32 (uneven end stages when the layers do not divide), ep (MoE, etp 1), rollout tp (powers of
     2 up to 64); cp stays as given."""
     base = base or Layout()

@@ -31,9 +31,10 @@ def build_rollout_engine(name: str, hf_dir: str, *, tp: int = 1, seed: int = 0, 
     engine computes in. options: fields of the engine's own config (HFRolloutEngine.from_hf_dir,
     VLLMConfig, SGLangConfig).
     """
+    from megarl.layout import check_rollout
+
+    check_rollout(name, tp)  # the hf engine: rollout.tp 1 (checked with the config, before any model exists)
     if name == "hf":
-        if tp != 1:
-            raise ValueError(f"the hf engine runs one model per rank (rollout tp 1), got tp={tp}; use vllm or sglang for tp > 1")
         from megarl.rollout.hf import HFRolloutEngine
 
         return HFRolloutEngine.from_hf_dir(hf_dir, dtype=dtype, device=device, **options)
@@ -93,7 +94,7 @@ def build_rollout(name: str, hf_dir: str, groups, *, seed: int = 0, device: str 
     """
     import torch.distributed as dist
 
-    from megarl.hybrid.layout import RolloutLayout
+    from megarl.layout import RolloutLayout
 
     if weight_sync not in WEIGHT_SYNC_MODES:
         raise ValueError(f"weight_sync must be one of {WEIGHT_SYNC_MODES}, got {weight_sync!r}")

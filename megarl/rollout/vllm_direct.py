@@ -220,7 +220,7 @@ def write_shards(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
 class DirectPath:
     """The direct path for one engine: the layout the HybridEngine delivers and the converter."""
 
-    layout: object  # megarl.hybrid.layout.RolloutLayout
+    layout: object  # megarl.layout.RolloutLayout
     convert: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
 
 
@@ -228,7 +228,7 @@ def choose(engine, spec: ModelSpec, tp: int) -> DirectPath | str:
     """The direct path if it serves every rank's vLLM model, else why not (the same on every rank)."""
     import torch.distributed as dist
 
-    from megarl.hybrid.layout import RolloutLayout
+    from megarl.layout import RolloutLayout
 
     rank = dist.get_rank()
     try:  # a failure here must not leave the other ranks waiting in the all-gather

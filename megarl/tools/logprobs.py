@@ -95,7 +95,8 @@ def main(argv=None) -> int:
 
     from megarl import hub
     from megarl.models import load_model_chunks
-    from megarl.models.families import check_layout, load_spec
+    from megarl.layout import ModelShape, check_model
+    from megarl.models.families import load_spec
     from megarl.parallel import dims_from_env
 
     try:
@@ -105,9 +106,7 @@ def main(argv=None) -> int:
         model_dir = hub.local_path_on_each_node(args.model, "--model", dims.initialize)
         spec = load_spec(model_dir)  # UnsupportedModelError is a ValueError
         sequences = read_jsonl_ids(args.input, spec.vocab_size)
-        uneven = args.first_stage_layers is not None or args.last_stage_layers is not None
-        check_layout(spec, dims.tp, dims.pp, dims.ep, dims.etp, uneven_stages=uneven)
-        dims.stage_layer_counts(spec.num_layers)
+        check_model(ModelShape.of_spec(spec), dims.layout)  # forward only: MoE at tp > 1 is fine here
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -141,8 +141,7 @@ def test_resume_path_must_be_a_complete_checkpoint(tmp_path):
 
 def test_layout_arithmetic_is_shown():
     cfg = load_config(None, BASE + ["parallel.tp=2", "parallel.pp=2"])
-    with pytest.raises(ConfigError, match=r"world size 6 is not divisible by parallel.tp \* parallel.pp \* parallel.cp "
-                                          r"= 2 \* 2 \* 1 = 4"):
+    with pytest.raises(ConfigError, match=r"world size 6 is not divisible by tp\*pp\*cp = 2\*2\*1 = 4"):
         validate(cfg, world_size=6)
     sizes = validate(cfg, world_size=8)
     assert (sizes.dp, sizes.prompts_per_dp_rank, sizes.responses_per_step) == (2, 128, 256)
@@ -156,9 +155,9 @@ def test_layout_arithmetic_is_shown():
         validate(cfg, world_size=2)
     with pytest.raises(ConfigError, match=r"data.prompts_per_step = 12 is not divisible by the data-parallel size 8"):
         validate(cfg, world_size=8)
-    cfg = load_config(None, BASE + ["parallel.ep=4", "rollout.tp=3"])
-    with pytest.raises(ConfigError, match=r"world size 2 is not divisible by parallel.etp \* parallel.ep \* "
-                                          r"parallel.pp = 1 \* 4 \* 1 = 4"):
+    cfg = load_config(None, BASE + ["parallel.ep=4", "rollout.tp=3", "rollout.engine=vllm"])
+    with pytest.raises(ConfigError, match=r"world size 2 / pp 1 = 2 ranks per pipeline stage is not divisible by "
+                                          r"etp\*ep = 1\*4 = 4"):
         validate(cfg, world_size=2)
     with pytest.raises(ConfigError, match=r"world size 4 is not divisible by rollout.tp = 3"):
         validate(cfg, world_size=4)

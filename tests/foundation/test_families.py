@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from conftest import FAMILIES, FAMILIES_671B, REPO, torchrun
-from megarl.models.families import FAMILIES as SUPPORTED, UnsupportedModelError, check_layout, load_spec, spec_from_hf_config
+from megarl.layout import ModelShape, ParallelLayout, check_model
+from megarl.models.families import FAMILIES as SUPPORTED, UnsupportedModelError, load_spec, spec_from_hf_config
 
 LLAMA_CONFIG = dict(
     model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=301, hidden_size=64, intermediate_size=128,
@@ -94,6 +95,11 @@ def test_padded_vocab_size():
     assert dataclasses.replace(spec, vocab_size=128256).padded_vocab_size(4) == 128512
 
 
+def check_layout(spec, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> None:
+    """megarl.layout's model rules for `spec` (dp chosen so that every expert split divides)."""
+    check_model(ModelShape.of_spec(spec), ParallelLayout(tp=tp, pp=pp, ep=ep, etp=etp, dp=(etp or tp) * ep))
+
+
 def test_check_layout_accepts_valid_layouts(tiny_models):
     for arch in FAMILIES:
         check_layout(load_spec(tiny_models[arch]), tp=2, pp=2)
@@ -101,11 +107,11 @@ def test_check_layout_accepts_valid_layouts(tiny_models):
 
 
 @pytest.mark.parametrize("change, layout, message", [
-    (dict(), dict(tp=8, pp=1), "4 attention heads are not divisible by tp=8"),
-    (dict(), dict(tp=4, pp=1), "2 key/value heads are not divisible by tp=4; use a tp that divides 2"),
-    (dict(ffn_hidden_size=129), dict(tp=2, pp=1), "ffn hidden size 129 is not divisible by tp=2"),
-    (dict(), dict(tp=1, pp=3), "2 layers are not divisible by pp=3"),
-    (dict(), dict(tp=1, pp=1, ep=2), "ep=2 needs a mixture-of-experts model; llama is dense"),
+    (dict(), dict(tp=8, pp=1), "parallel.tp = 8 does not divide the model's 4 attention heads"),
+    (dict(), dict(tp=4, pp=1), "parallel.tp = 4 does not divide the model's 2 key/value heads"),
+    (dict(ffn_hidden_size=129), dict(tp=2, pp=1), "parallel.tp = 2 does not divide the model's 129 ffn width"),
+    (dict(), dict(tp=1, pp=3), "2 layers do not split over pp=3"),
+    (dict(), dict(tp=1, pp=1, ep=2), "parallel.ep = 2 needs a mixture-of-experts model; this llama model is dense"),
 ])
 def test_check_layout_errors(change, layout, message):
     spec = dataclasses.replace(spec_from_hf_config(LLAMA_CONFIG), **change)
@@ -115,9 +121,9 @@ def test_check_layout_errors(change, layout, message):
 
 def test_check_layout_moe_errors(tiny_models):
     spec = load_spec(tiny_models["qwen3_moe"])  # 4 experts, expert ffn 64
-    with pytest.raises(ValueError, match="4 experts are not divisible by ep=3"):
+    with pytest.raises(ValueError, match="parallel.ep = 3 does not divide the model's 4 routed experts"):
         check_layout(spec, tp=1, pp=1, ep=3)
-    with pytest.raises(ValueError, match="expert ffn hidden size 64 is not divisible by etp=3"):
+    with pytest.raises(ValueError, match="parallel.etp = 3 does not divide the model's 64 expert ffn width"):
         check_layout(spec, tp=1, pp=1, ep=1, etp=3)
 
 
@@ -448,9 +454,9 @@ def test_glm4_moe_partial_rotary_must_give_even_dims():
 def test_check_layout_mla(tiny_moe_671b_models):
     spec = load_spec(tiny_moe_671b_models["deepseek_v3"])
     check_layout(spec, tp=2, pp=2, ep=2)
-    with pytest.raises(ValueError, match=r"kv_lora_rank \+ qk_rope_head_dim = 41 is not divisible by tp=2"):
+    with pytest.raises(ValueError, match=r"parallel.tp = 2 does not divide the model's 41 MLA key/value latent rows \(kv_lora_rank \+ qk_rope_head_dim\)"):
         check_layout(dataclasses.replace(spec, mla=dataclasses.replace(spec.mla, kv_lora_rank=33)), tp=2, pp=1)
-    with pytest.raises(ValueError, match="q_lora_rank 30 is not divisible by tp=4"):
+    with pytest.raises(ValueError, match=r"parallel.tp = 4 does not divide the model's 30 MLA query latent rows \(q_lora_rank\)"):
         check_layout(dataclasses.replace(spec, mla=dataclasses.replace(spec.mla, q_lora_rank=30)), tp=4, pp=1)
 
 

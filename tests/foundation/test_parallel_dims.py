@@ -59,9 +59,9 @@ def test_expert_parallel_constraints():
 
 def test_virtual_pipeline_needs_pipeline():
     assert ParallelDims(world_size=4, pp=2, vpp=2).vpp == 2
-    with pytest.raises(ValueError, match=r"parallel\.vpp=2 needs parallel\.pp > 1"):
+    with pytest.raises(ValueError, match=r"parallel\.vpp = 2 needs parallel\.pp > 1"):
         ParallelDims(world_size=4, vpp=2)
-    with pytest.raises(ValueError, match=r"parallel\.vpp=0 needs parallel\.pp > 1 and vpp >= 1"):
+    with pytest.raises(ValueError, match=r"parallel\.vpp = 0 needs parallel\.pp > 1 and vpp >= 1"):
         ParallelDims(world_size=4, pp=2, vpp=0)
 
 
@@ -115,7 +115,7 @@ def test_uneven_stages_validation():
     dims = ParallelDims(world_size=32, pp=16, first_stage_layers=3, last_stage_layers=2)
     assert dims.stage_layer_counts(61) == [3] + [4] * 14 + [2]
     assert "first_stage_layers=3 last_stage_layers=2" in dims.describe()
-    with pytest.raises(ValueError, match=r"parallel\.first_stage_layers=2 needs parallel\.pp > 1"):
+    with pytest.raises(ValueError, match=r"parallel\.first_stage_layers = 2 needs parallel\.pp > 1"):
         ParallelDims(world_size=2, first_stage_layers=2)
     with pytest.raises(ValueError, match=r"parallel\.last_stage_layers must be a positive integer or unset, got 0"):
         ParallelDims(world_size=2, pp=2, last_stage_layers=0)

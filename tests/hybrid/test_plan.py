@@ -23,7 +23,7 @@ def test_megatron_rank_order():
     assert (c.tp, c.dp, c.pp) == (1, 0, 1)
     assert all(layout.rank_of(*(lambda c: (c.pp, c.tp, c.dp))(layout.coords(r))) == r for r in range(8))
     assert layout.model_parallel_ranks(dp=1) == [2, 3, 6, 7]
-    with pytest.raises(ValueError, match="not divisible by ep"):
+    with pytest.raises(ValueError, match=r"3 ranks per pipeline stage is not divisible by etp\*ep = 1\*2 = 2"):
         TrainLayout(tp=1, pp=1, dp=3, ep=2)
 
 

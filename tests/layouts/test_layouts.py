@@ -71,7 +71,7 @@ def _hf_logprobs(model_dir: str, ids: list[list[int]]) -> list[list[float]]:
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--vpp", "2"], "parallel.vpp=2 needs parallel.pp > 1"),
+    (["--vpp", "2"], "parallel.vpp = 2 needs parallel.pp > 1"),
     (["--pp", "2", "--vpp", "2", "--first-stage-layers", "2", "--last-stage-layers", "2"], "set only one of them"),
 ])
 def test_logprobs_layout_flags_refuse_bad_layouts(four_layer_models, tmp_path, flags, message):

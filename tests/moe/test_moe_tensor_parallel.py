@@ -1,4 +1,4 @@
-"""MoE training at parallel.tp > 1 is refused (megarl.config.inputs.check_moe_tensor_parallel), and
+"""MoE training at parallel.tp > 1 is refused (megarl.layout.refuse_moe_tensor_parallel), and
 why: Megatron-Core's MoE layer refuses to train at tp > 1 without sequence parallelism (which
 megarl does not have), and with that guard lifted the expert gradients come out exactly tp times
 those of the tp1 layout megarl asks for instead (tp1 with ep), which itself matches plain DP."""

@@ -1,5 +1,5 @@
 """Run under torchrun (2 ranks) by tests/moe/test_moe_tensor_parallel.py: why megarl refuses MoE
-training at parallel.tp > 1 (megarl.config.inputs.check_moe_tensor_parallel). A tiny MoE model,
+training at parallel.tp > 1 (megarl.layout.refuse_moe_tensor_parallel). A tiny MoE model,
 one PPO actor update with lr 0 (tests/engine/engine_worker.py's fixed batch, float32), so every
 layout's gradients are taken at the same weights, on the same last mini-batch:
 

@@ -152,16 +152,16 @@ def test_shipped_configs_fit_their_stated_cluster(tmp_path):
         report = plan(arch_from_config(hf), lay, run, cluster)
         assert report["fits"], (path.name, report["problems"])
         # the planner sees the config's whole layout (uneven end stages, virtual stages)
-        p = load_run_config(path)["parallel"]
+        p = load_run_config(path).parallel
         assert (lay.first_stage_layers, lay.last_stage_layers, lay.vpp) == (
-            p.get("first_stage_layers"), p.get("last_stage_layers"), p.get("vpp") or 1), path.name
+            p.first_stage_layers, p.last_stage_layers, p.vpp or 1), path.name
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--gpus", "12", "--tp", "3"], "tp=3 must divide the 28 attention heads"),
+    (["--gpus", "12", "--tp", "3"], "parallel.tp = 3 does not divide the model's 28 attention heads"),
     (["--gpus", "6", "--tp", "4"], "--gpus 6 is not divisible by tp 4"),
     (["--gpus", "8", "--gpu", "tpu-v9"], "--gpu 'tpu-v9' is not in the GPU table"),
-    (["--gpus", "8", "--ep", "2"], "--ep/--etp need a mixture-of-experts model"),
+    (["--gpus", "8", "--ep", "2"], "parallel.ep = 2 needs a mixture-of-experts model"),
     (["--gpus", "0"], "--gpus must be at least 1"),
 ])
 def test_bad_input_exits_2_with_one_clear_line(tmp_path, argv, message):
@@ -173,7 +173,7 @@ def test_bad_input_exits_2_with_one_clear_line(tmp_path, argv, message):
 def test_missing_config_exits_2(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "megarl.tools.plan", "--model", str(tmp_path), "--gpus", "8"], cwd=REPO,
                           capture_output=True, text=True)
-    assert proc.returncode == 2 and "no config.json there" in proc.stderr
+    assert proc.returncode == 2 and "is not a Hugging Face model directory" in proc.stderr
 
 
 def test_gpu_table_extends(tmp_path):

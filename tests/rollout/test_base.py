@@ -49,5 +49,5 @@ def test_pad_results():
 def test_factory_rejects_unknown_engine_and_hf_tp():
     with pytest.raises(ValueError, match="did you mean 'vllm'"):
         build_rollout_engine("vlm", "/nonexistent")
-    with pytest.raises(ValueError, match="rollout tp 1"):
+    with pytest.raises(ValueError, match=r"rollout.engine=hf runs one model per rank \(rollout.tp 1\), got rollout.tp=2"):
         build_rollout_engine("hf", "/nonexistent", tp=2)
