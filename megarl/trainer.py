@@ -264,12 +264,16 @@ class Trainer:
 
         # 3. Score the samples with the models: old log-probs (+ entropy), reference log-probs, values.
         with clock("timing_s/old_log_prob"):
-            out = self.actor.forward_only(batch, want=("logprobs", "entropy"), temperature=self.sampling.temperature)
+            # The policy is the distribution the engine sampled: logits / temperature over the
+            # vocabulary without rollout.banned_token_ids, for the actor (old and current) and the reference.
+            out = self.actor.forward_only(batch, want=("logprobs", "entropy"), temperature=self.sampling.temperature,
+                                          banned_token_ids=self.sampling.banned_token_ids)
             batch.tensors["old_logprobs"], entropy = out["logprobs"], out["entropy"]
         self._verify_sync(rollout_batch, batch.tensors["old_logprobs"], mask)
         if self.ref is not None:
             with clock("timing_s/ref"):
-                batch.tensors["ref_logprobs"] = self.ref.forward_only(batch, temperature=self.sampling.temperature)["logprobs"]
+                batch.tensors["ref_logprobs"] = self.ref.forward_only(batch, temperature=self.sampling.temperature,
+                                                                      banned_token_ids=self.sampling.banned_token_ids)["logprobs"]
                 self.ref.offload()
         if self.critic is not None:
             with clock("timing_s/values"):
@@ -458,7 +462,7 @@ class Trainer:
         # for epoch in ppo_epochs: for mini_batch in ppo_mini_batches: forward/backward its micro-batches, optimizer step
         stats = self.actor.train_step(batch, loss_fn, fields=fields, epochs=actor_cfg.ppo_epochs,
                                       mini_batches=actor_cfg.ppo_mini_batches, shuffle_seed=self._shuffle_seed(0), want=want,
-                                      temperature=self.sampling.temperature,
+                                      temperature=self.sampling.temperature, banned_token_ids=self.sampling.banned_token_ids,
                                       skip_grad_norm_above=self.cfg.guards.grad_norm_threshold or None)
         aux_loss = moe_routing.aux_loss_metric(self.actor.chunks, self.dims)  # None unless actor.moe_aux_loss_coeff > 0
         self.actor.offload()

@@ -15,7 +15,7 @@ of k2, because k1 and k3 have the right expectation but not the right expected g
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -71,18 +71,20 @@ def full_kl_penalty(
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int | None = None,
     true_vocab_size: int | None = None,
+    banned_token_ids: Sequence[int] = (),
 ) -> torch.Tensor:
     """kl_penalty kind "full": exact KL(pi || ref) = sum_v p(v) log(p(v) / q(v)) per token.
 
     logits, ref_logits: [batch, response_len, local_vocab] vocab-parallel slices (full vocabulary
     when tp_group is None), already divided by the sampling temperature. Returns
     [batch, response_len], identical on every TP rank; nothing is gathered. Arguments as in
-    `megarl.models.vocab_parallel` (verl leaves this kind unimplemented).
+    `megarl.models.vocab_parallel`, banned tokens (rollout.banned_token_ids) included (verl leaves
+    this kind unimplemented).
     """
     # Imported here so megarl.algorithms stays importable without the model stack.
     from megarl.models.vocab_parallel import vocab_parallel_full_kl
 
-    return vocab_parallel_full_kl(logits, ref_logits, tp_group, vocab_start, true_vocab_size)
+    return vocab_parallel_full_kl(logits, ref_logits, tp_group, vocab_start, true_vocab_size, banned_token_ids)
 
 
 @torch.no_grad()

@@ -196,9 +196,11 @@ class MegatronEngine:
         """A small host tensor reduced over the data-parallel group."""
         return all_reduce_host(t, self.dims.dp_group, op=op) if self.dims.dp > 1 else t
 
-    def _outputs(self, model_output: torch.Tensor, mb: dict, want: tuple[str, ...], temperature: float) -> dict[str, torch.Tensor]:
+    def _outputs(self, model_output: torch.Tensor, mb: dict, want: tuple[str, ...], temperature: float,
+                 banned_token_ids: tuple[int, ...]) -> dict[str, torch.Tensor]:
         """Per-response-token outputs [rows, response_len] from the last stage's model output
-        ([b, s, ...]; `positions` index its flattened b*s positions)."""
+        ([b, s, ...]; `positions` index its flattened b*s positions). Log-probs and entropy are those
+        of the sampling distribution: logits / temperature over the vocabulary without the banned ids."""
         pos = mb["positions"].to(model_output.device)
         flat = model_output.reshape(-1, model_output.shape[-1])  # [b*s, vocab/tp] or [b*s, 1]
         if self.value_head:
@@ -209,21 +211,27 @@ class MegatronEngine:
             resp_logits = resp_logits / temperature
         targets = mb["input_ids"].reshape(-1)[pos + 1]  # position t predicts token t+1
         tp_group = self.dims.tp_group if self.dims.tp > 1 else None
-        out = {"logprobs": vocab_parallel_logprobs(resp_logits, targets, tp_group, true_vocab_size=self.spec.vocab_size)}
+        vocab = {"true_vocab_size": self.spec.vocab_size, "banned_token_ids": banned_token_ids}
+        logprobs = vocab_parallel_logprobs(resp_logits, targets, tp_group, **vocab)
+        # Masked slots (past a response's end, filler rows of pad tokens) may target a banned token,
+        # whose log-prob is about -3e38: zero them so no loss term (a squared log-ratio) overflows.
+        out = {"logprobs": torch.where(mb["response_mask"].to(logprobs.device) > 0, logprobs, 0.0)}
         if "entropy" in want:
-            out["entropy"] = vocab_parallel_entropy(resp_logits, tp_group, true_vocab_size=self.spec.vocab_size)
+            out["entropy"] = vocab_parallel_entropy(resp_logits, tp_group, **vocab)
         return out
 
     # --- forward only ---------------------------------------------------------------------------------
-    def forward_only(self, batch: SequenceBatch, want: tuple[str, ...] = ("logprobs",), temperature: float = 1.0) -> dict[str, torch.Tensor]:
-        """Per-response-token log-probs (and entropy) or values, [n, response_len], on every rank."""
+    def forward_only(self, batch: SequenceBatch, want: tuple[str, ...] = ("logprobs",), temperature: float = 1.0,
+                     banned_token_ids: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+        """Per-response-token log-probs (and entropy) or values, [n, response_len], on every rank.
+        temperature and banned_token_ids: the rollout's, so the log-probs are of the distribution it sampled."""
         self.onload()
         self._set_mode(train=False)
         rows = list(range(len(batch)))
         micro_batches = self._micro_batches(batch, rows)
 
         def compute(output, mb):
-            return {k: v.detach().float().cpu() for k, v in self._outputs(output, mb, want, temperature).items()}
+            return {k: v.detach().float().cpu() for k, v in self._outputs(output, mb, want, temperature, banned_token_ids).items()}
 
         results = pipeline_forward(self.chunks, self.dims, micro_batches, compute)
         merged = {k: torch.zeros(len(batch), batch.response_len) for k in results[0]}
@@ -247,6 +255,7 @@ class MegatronEngine:
         shuffle_seed: int = 0,
         want: tuple[str, ...] = ("logprobs",),
         temperature: float = 1.0,
+        banned_token_ids: tuple[int, ...] = (),
         skip_grad_norm_above: float | None = None,
     ) -> TrainStats:
         """`epochs` x `mini_batches` optimizer steps over the global batch.
@@ -254,6 +263,7 @@ class MegatronEngine:
         Mini-batches are drawn from one permutation of the *global* sample indices per epoch, so
         every layout forms the same mini-batches; each rank trains on its own rows of them.
         A step whose gradient norm is not finite or exceeds `skip_grad_norm_above` is skipped.
+        temperature and banned_token_ids define the policy's distribution, as in forward_only.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -281,7 +291,7 @@ class MegatronEngine:
                 reduced: list[dict] = []
 
                 def loss_func(mb, output):
-                    outputs = self._outputs(output, mb, want, temperature)
+                    outputs = self._outputs(output, mb, want, temperature, banned_token_ids)
                     loss, metrics = loss_fn(outputs, mb, totals)
                     weight = float(mb["response_mask"].sum())
                     reduced.append({"weight": weight, **{m: v * weight for m, v in metrics.items()}})

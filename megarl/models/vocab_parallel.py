@@ -13,6 +13,12 @@ Conventions shared by all functions:
 - true_vocab_size: the tokenizer's vocabulary size. Megatron pads the vocabulary with extra columns
   at the end so TP divides it; columns with global id >= true_vocab_size are dropped here so padding
   never carries probability mass into log-probs, entropy or KL.
+- banned_token_ids: global ids the policy may never emit (rollout.banned_token_ids). They are part of
+  the policy's definition: the engines sample with their logits at -inf, so every result here is over
+  the allowed vocabulary too (docs/algorithms.md, "Banned tokens"). Each id lies in one rank's slice;
+  that rank sets its column to the dtype's lowest finite value, whose exp() underflows to exactly 0
+  (the same distribution as -inf, without inf - inf = NaN in entropy and KL, or 0 * -inf where a
+  masked position's target is a banned pad token). Its gradient is 0, like a padding column's.
 - Sampling temperature: divide the logits (and the reference logits) by it before calling, exactly as
   the rollout engine did, so the log-probs are those of the sampling distribution.
 - bf16/fp16 logits are computed in float32; float32/float64 stay as they are. Results are `[...]`.
@@ -21,6 +27,8 @@ Conventions shared by all functions:
   Call with the same arguments on every rank of `tp_group`: the all-reduces must match.
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,8 +69,10 @@ def _valid_columns(
     tp_group: dist.ProcessGroup | None,
     vocab_start: int | None,
     true_vocab_size: int | None,
+    banned_token_ids: Sequence[int] = (),
 ) -> tuple[torch.Tensor, int]:
-    """(this rank's logits without padding columns, in the compute dtype; global id of column 0)."""
+    """(this rank's logits without padding columns and with banned columns at the lowest finite value,
+    in the compute dtype; global id of column 0)."""
     local_vocab = logits.shape[-1]
     if vocab_start is None:
         vocab_start = 0 if tp_group is None else dist.get_rank(tp_group) * local_vocab
@@ -73,6 +83,10 @@ def _valid_columns(
         # (possibly all of it on the last ranks): slicing drops it and gives it zero gradient.
         n_valid = max(0, min(local_vocab, true_vocab_size - vocab_start))
         logits = logits[..., :n_valid]
+    local = [t - vocab_start for t in banned_token_ids if 0 <= t - vocab_start < logits.shape[-1]]
+    if local:
+        # index_fill copies (the caller's logits stay as they were) and gives the filled columns zero gradient.
+        logits = logits.index_fill(-1, torch.tensor(local, device=logits.device), torch.finfo(logits.dtype).min)
     return logits, vocab_start
 
 
@@ -91,10 +105,12 @@ def vocab_parallel_logprobs(
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int | None = None,
     true_vocab_size: int | None = None,
+    banned_token_ids: Sequence[int] = (),
 ) -> torch.Tensor:
-    """log p(target) = logit[target] - logsumexp(logits) over the full vocabulary.
+    """log p(target) = logit[target] - logsumexp(logits) over the allowed vocabulary.
 
     logits: [..., local_vocab]; target_ids: [...] global token ids (< true_vocab_size). Returns [...].
+    A banned target gets a hugely negative (finite) log-prob: the policy cannot emit it.
     The rank whose slice holds the target contributes its logit, the others 0; logsumexp is a
     max all-reduce (no grad) and a differentiable sum-exp all-reduce. Three scalars per token cross
     the TP group (max, then sum-exp and target logit together).
@@ -102,7 +118,7 @@ def vocab_parallel_logprobs(
     if target_ids.shape != logits.shape[:-1]:
         raise ValueError(f"target_ids must have shape {tuple(logits.shape[:-1])} (logits without vocab), "
                          f"got {tuple(target_ids.shape)}")
-    x, vocab_start = _valid_columns(logits, tp_group, vocab_start, true_vocab_size)
+    x, vocab_start = _valid_columns(logits, tp_group, vocab_start, true_vocab_size, banned_token_ids)
     if tp_group is None and x.shape[-1] > 0:
         # The whole vocabulary is here: one fused log_softmax pass (and one in backward) instead
         # of the centre / exp / sum / log passes the split vocabulary needs.
@@ -125,14 +141,15 @@ def vocab_parallel_entropy(
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int | None = None,
     true_vocab_size: int | None = None,
+    banned_token_ids: Sequence[int] = (),
 ) -> torch.Tensor:
-    """Entropy H(p) = -sum_v p(v) log p(v) of softmax(logits) over the full vocabulary.
+    """Entropy H(p) = -sum_v p(v) log p(v) of softmax(logits) over the allowed vocabulary.
 
     logits: [..., local_vocab]. Returns [...]. Computed as log S - sum_v e_v x_v / S with
     x = logits - max, e = exp(x), S = sum_v e_v (the centred form of verl's
     `logsumexp - sum(p * logits)`, which avoids cancelling two large numbers).
     """
-    x, _ = _valid_columns(logits, tp_group, vocab_start, true_vocab_size)
+    x, _ = _valid_columns(logits, tp_group, vocab_start, true_vocab_size, banned_token_ids)
     xc = _centered(x, tp_group)
     e = xc.exp()
     sums = _sum_over_tp(torch.stack([e.sum(dim=-1), (e * xc).sum(dim=-1)], dim=-1), tp_group)
@@ -146,8 +163,10 @@ def vocab_parallel_full_kl(
     tp_group: dist.ProcessGroup | None = None,
     vocab_start: int | None = None,
     true_vocab_size: int | None = None,
+    banned_token_ids: Sequence[int] = (),
 ) -> torch.Tensor:
-    """Exact KL(pi || ref) = sum_v p(v) (log p(v) - log q(v)) per token, over the full vocabulary.
+    """Exact KL(pi || ref) = sum_v p(v) (log p(v) - log q(v)) per token, over the allowed vocabulary
+    (both policies ban the same tokens).
 
     logits: [..., local_vocab] of the policy pi; ref_logits: the same slice of the reference policy.
     Returns [...]. The direction (policy first) is that of the per-token estimators in
@@ -158,8 +177,8 @@ def vocab_parallel_full_kl(
         raise ValueError(
             f"ref_logits must have the shape of logits {tuple(logits.shape)}, got {tuple(ref_logits.shape)}"
         )
-    x, _ = _valid_columns(logits, tp_group, vocab_start, true_vocab_size)
-    y, _ = _valid_columns(ref_logits, tp_group, vocab_start, true_vocab_size)
+    x, _ = _valid_columns(logits, tp_group, vocab_start, true_vocab_size, banned_token_ids)
+    y, _ = _valid_columns(ref_logits, tp_group, vocab_start, true_vocab_size, banned_token_ids)
     y = y.to(x.dtype)
     # Both max-shifts in one all-reduce.
     if x.shape[-1] > 0:

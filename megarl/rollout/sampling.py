@@ -14,25 +14,24 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
                    banned_token_ids: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (processed_logprobs, scaled_logprobs), both [B, V] float32.
 
-    logits: [B, V]. scaled = log_softmax(logits / T) (T = 1 when greedy); processed = the same
-    after masking banned tokens, tokens outside top-k and the top-p nucleus to -inf and
-    renormalising: the distribution actually sampled from. Greedy (T = 0) leaves logits unscaled
-    and untruncated, except that banned tokens are never picked. Banned tokens are removed first
-    (as vLLM applies bad words and logit bias before top-k/top-p), so top-k counts allowed tokens.
-    scaled keeps them: it is what the actor recomputes, and the actor has no notion of a ban.
+    logits: [B, V]. scaled = log_softmax(logits / T) over the allowed vocabulary (banned tokens'
+    logits at -inf; T = 1 when greedy): the policy the actor recomputes, since a ban is part of the
+    policy's definition (docs/algorithms.md, "Banned tokens"). processed = the same after masking
+    tokens outside top-k and the top-p nucleus to -inf and renormalising: the distribution actually
+    sampled from. Greedy (T = 0) leaves logits unscaled and untruncated, except that banned tokens
+    are never picked. Banned tokens are removed first (as vLLM applies bad words and logit bias
+    before top-k/top-p), so top-k counts allowed tokens.
     """
     logits = logits.float()
     banned = list(banned_token_ids)
+    if banned:
+        logits = logits.index_fill(-1, torch.tensor(banned, device=logits.device), float("-inf"))
     if temperature == 0.0:
         lp = torch.log_softmax(logits, dim=-1)
-        if not banned:
-            return lp, lp
-        return torch.log_softmax(logits.index_fill(-1, torch.tensor(banned, device=logits.device), float("-inf")), dim=-1), lp
+        return lp, lp
     scaled = logits / temperature
     scaled_lp = torch.log_softmax(scaled, dim=-1)
     masked = scaled
-    if banned:
-        masked = masked.index_fill(-1, torch.tensor(banned, device=logits.device), float("-inf"))
     V = logits.shape[-1]
     if 0 < top_k < V:
         kth = torch.topk(masked, top_k, dim=-1).values[:, -1:]  # [B, 1]; ties with the k-th stay in

@@ -13,13 +13,14 @@ from megarl.rollout.sampling import process_logits, sample_rows
 from fake_engines import SGLANG_SAMPLING_KEYS, make_fake_vllm
 
 
-def test_banned_tokens_leave_the_processed_distribution_but_not_the_scaled_one():
+def test_banned_tokens_leave_both_the_processed_and_the_scaled_distribution():
     logits = torch.log(torch.tensor([[0.4, 0.1, 0.2, 0.3]]))
     processed, scaled = process_logits(logits, temperature=1.0, top_k=0, top_p=1.0, banned_token_ids=(0, 3))
     # allowed tokens 1, 2 with mass 0.1 : 0.2 -> renormalised 1/3, 2/3
     assert processed[0, 0] == -math.inf and processed[0, 3] == -math.inf
     assert torch.allclose(processed[0, 1:3].exp(), torch.tensor([1 / 3, 2 / 3]))
-    assert torch.allclose(scaled.exp(), torch.tensor([[0.4, 0.1, 0.2, 0.3]]))  # what the actor recomputes
+    # a ban is part of the policy: the scaled log-probs (what the actor recomputes) drop it too
+    assert torch.allclose(scaled.exp(), torch.tensor([[0.0, 1 / 3, 2 / 3, 0.0]]))
 
 
 def test_top_k_counts_allowed_tokens_only():
@@ -32,7 +33,7 @@ def test_greedy_never_picks_a_banned_token():
     logits = torch.tensor([[5.0, 1.0, 2.0]])
     processed, scaled = process_logits(logits, temperature=0.0, top_k=0, top_p=1.0, banned_token_ids=(0,))
     assert sample_rows(processed, [None], greedy=True).tolist() == [2]
-    assert torch.allclose(scaled, torch.log_softmax(logits, -1))
+    assert torch.allclose(scaled.exp(), torch.softmax(torch.tensor([[-math.inf, 1.0, 2.0]]), -1))
 
 
 def test_sampling_never_draws_a_banned_token():
