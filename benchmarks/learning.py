@@ -62,6 +62,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="default: the config's trainer.total_steps")
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--estimators", default="gae,grpo", help="megarl's advantage estimators to run (comma-separated)")
+    p.add_argument("--reference-head-inits", default="small",
+                   help="value-head scales of the reference runs (comma-separated: small, trl; see reference_ppo.py)")
     p.add_argument("--jobs", type=int, default=2, help="runs at a time")
     args = p.parse_args(argv)
     sys.path.insert(0, str(REPO))
@@ -74,9 +76,11 @@ def main(argv=None) -> int:
         tmp = Path(tmp)
         jobs = {f"megarl_{e}": megarl_command(args.config, e, args.seed, steps, args.eval_every, tmp / e)
                 for e in args.estimators.split(",")}
-        jobs["reference_ppo"] = [sys.executable, str(REPO / "benchmarks" / "reference_ppo.py"), "--config", args.config,
-                                 "--seed", str(args.seed), "--steps", str(steps), "--eval-every", str(args.eval_every),
-                                 "--out", str(tmp / "reference.json")]
+        for init in args.reference_head_inits.split(","):
+            name = "reference_ppo" + ("" if init == "small" else f"_{init}_head")
+            jobs[name] = [sys.executable, str(REPO / "benchmarks" / "reference_ppo.py"), "--config", args.config,
+                          "--seed", str(args.seed), "--steps", str(steps), "--eval-every", str(args.eval_every),
+                          "--head-init", init, "--out", str(tmp / f"{name}.json")]
         pending, running, logs = list(jobs.items()), [], {}
         while pending or running:
             while pending and len(running) < args.jobs:
@@ -90,8 +94,8 @@ def main(argv=None) -> int:
                 return 1
         runs = {}
         for name in jobs:
-            if name == "reference_ppo":
-                points = json.loads((tmp / "reference.json").read_text())["points"]
+            if name.startswith("reference_ppo"):
+                points = json.loads((tmp / f"{name}.json").read_text())["points"]
             else:
                 points = megarl_points(tmp / name.removeprefix("megarl_"), [str(REPO / f) for f in cfg.data.val_files])
                 points = [{**pt, "samples": pt["step"] * per_step} for pt in points]

@@ -18,7 +18,9 @@ on the last response token; GAE with the run's gamma / lam; advantages whitened 
 response tokens; clipped surrogate (no dual clip) and clipped value loss (0.5 * max of squared
 errors), both token means over each mini-batch; separate Adam optimizers with the run's learning
 rates and cosine schedules, gradient norms clipped to max_grad_norm; critic = the policy's trunk
-plus a linear value head, weight ~ N(0, 1/(hidden+1)) and bias 0.
+plus a linear value head with bias 0 and weight ~ N(0, 0.01^2/hidden) (--head-init small: initial values
+of about 0.01 on the final norm's unit-RMS hidden states) or N(0, 1/(hidden+1)) (--head-init trl, TRL's
+scale: initial values of about 1, as large as the rewards).
 
 Prints one JSON line per evaluation; --out writes {"trainer", "config", "seed", "points": [{"step",
 "samples", "exact_match", "score"}]}, where score is the mean reward of that step's rollout.
@@ -43,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 class Critic(torch.nn.Module):
     """The policy's transformer trunk with a scalar head: values [b, s]."""
 
-    def __init__(self, model_dir: str, generator: torch.Generator):
+    def __init__(self, model_dir: str, generator: torch.Generator, head_init: str = "small"):
         super().__init__()
         from transformers import AutoModel
 
@@ -51,7 +53,8 @@ class Critic(torch.nn.Module):
         hidden = self.trunk.config.hidden_size
         self.head = torch.nn.Linear(hidden, 1)
         with torch.no_grad():
-            self.head.weight.copy_(torch.randn(1, hidden, generator=generator) / math.sqrt(hidden + 1))
+            std = 0.01 / math.sqrt(hidden) if head_init == "small" else 1 / math.sqrt(hidden + 1)
+            self.head.weight.copy_(torch.randn(1, hidden, generator=generator) * std)
             self.head.bias.zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -133,7 +136,8 @@ def evaluate(policy, tokenizer, model_dir: str, val_files: list[str], banned: li
         return exact_match(tmp, val_files, banned_token_ids=tuple(banned))["exact_match"]
 
 
-def train(config: str, overrides: list[str], steps: int | None, seed: int, eval_every: int, log=print) -> dict:
+def train(config: str, overrides: list[str], steps: int | None, seed: int, eval_every: int, head_init: str = "small",
+          log=print) -> dict:
     from transformers import AutoModelForCausalLM
 
     from megarl.config import load_config
@@ -165,7 +169,7 @@ def train(config: str, overrides: list[str], steps: int | None, seed: int, eval_
         raise SystemExit("reference_ppo: the prompts must all have one length (the copy task's); this data mixes lengths")
     prompt_len = len(encoded[0])
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    critic = Critic(model_dir, torch.Generator().manual_seed(0))
+    critic = Critic(model_dir, torch.Generator().manual_seed(0), head_init)
     updates = steps * a.ppo_epochs * a.ppo_mini_batches
     opt_pi = torch.optim.Adam(policy.parameters(), lr=a.optim.lr, betas=tuple(a.optim.betas), eps=a.optim.eps)
     opt_v = torch.optim.Adam(critic.parameters(), lr=c.optim.lr, betas=tuple(c.optim.betas), eps=c.optim.eps)
@@ -224,6 +228,7 @@ def train(config: str, overrides: list[str], steps: int | None, seed: int, eval_
             points.append({"step": step, "samples": step * m * n, "exact_match": em, "score": score})
             log(json.dumps({"trainer": "reference_ppo", **points[-1], "elapsed_s": round(time.perf_counter() - started, 1)}))
     return {"trainer": "reference_ppo", "config": config, "overrides": list(overrides), "seed": seed, "steps": steps,
+            "head_init": head_init,
             "points": points}
 
 
@@ -233,6 +238,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="PPO steps (default: the config's trainer.total_steps)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--eval-every", type=int, default=10, help="measure greedy exact match every K steps (and at the end)")
+    p.add_argument("--head-init", choices=("small", "trl"), default="small", help="the value head's initial scale (see above)")
     p.add_argument("--out", help="write the curve as JSON here")
     p.add_argument("overrides", nargs="*", help="key=value config overrides, as launch/ppo.py takes them")
     args = p.parse_args(argv)
@@ -241,7 +247,7 @@ def main(argv=None) -> int:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    result = train(args.config, args.overrides, args.steps, args.seed, args.eval_every)
+    result = train(args.config, args.overrides, args.steps, args.seed, args.eval_every, args.head_init)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
