@@ -32,9 +32,12 @@ def megarl_command(config: str, estimator: str, seed: int, steps: int, eval_ever
 
 def megarl_points(run_dir: Path, val_files: list[str]) -> list[dict]:
     """Exact match of each checkpoint of a finished run, with the step's rollout score."""
+    import transformers
     import yaml
 
     from megarl.tools.eval_exact_match import exact_match
+
+    transformers.utils.logging.disable_progress_bar()
 
     banned = tuple((yaml.safe_load((run_dir / "config.yaml").read_text())["rollout"] or {}).get("banned_token_ids") or ())
     metrics = {m["step"]: m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}

@@ -53,26 +53,24 @@ def demo_runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("demo_seeds")
     shared = _make_model_and_data(root)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    runs = [(e, s) for e in ESTIMATORS for s in SEEDS]
-    results, running = {}, []
-    for i, (estimator, seed) in enumerate(runs + [None]):
-        if len(running) == 2 or (estimator is None and running):
-            for (e, s), proc, run_dir in running:
-                proc.wait(timeout=1200)
-                log = Path(f"{run_dir}.log").read_text()
-                assert proc.returncode == 0, f"{e} seed {s} exited {proc.returncode}:\n{log[-4000:]}"
-                scores = [json.loads(line)["critic/score/mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-                          if "critic/score/mean" in line]
-                results[(e, s)] = {**_exact_match(run_dir, root / "test.parquet"), "last_score": scores[-1]}
-            running = []
-        if estimator is None:
-            break
-        run_dir = root / f"{estimator}_seed{seed}"
-        cmd = [sys.executable, "launch/ppo.py", "--config", "configs/tiny_cpu.yaml", *shared, f"trainer.run_dir={run_dir}",
-               f"algorithm.adv_estimator={estimator}", f"trainer.seed={seed}"]
-        with open(f"{run_dir}.log", "w") as log:  # a file, not a pipe: a full pipe would stall a run
-            running.append(((estimator, seed), subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT),
-                            run_dir))
+    results = {}
+    pairs = [[(e, s) for s in SEEDS] for e in ESTIMATORS]  # two runs at a time: one estimator's two seeds
+    for pair in pairs:
+        running = []
+        for estimator, seed in pair:
+            run_dir = root / f"{estimator}_seed{seed}"
+            cmd = [sys.executable, "launch/ppo.py", "--config", "configs/tiny_cpu.yaml", *shared, f"trainer.run_dir={run_dir}",
+                   f"algorithm.adv_estimator={estimator}", f"trainer.seed={seed}"]
+            with open(f"{run_dir}.log", "w") as log:  # a file, not a pipe: a full pipe would stall a run
+                running.append(((estimator, seed), run_dir,
+                                subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)))
+        for (estimator, seed), run_dir, proc in running:
+            proc.wait(timeout=1500)
+            log = Path(f"{run_dir}.log").read_text()
+            assert proc.returncode == 0, f"{estimator} seed {seed} exited {proc.returncode}:\n{log[-4000:]}"
+            scores = [json.loads(line)["critic/score/mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                      if "critic/score/mean" in line]
+            results[(estimator, seed)] = {**_exact_match(run_dir, root / "test.parquet"), "last_score": scores[-1]}
     return results
 
 
