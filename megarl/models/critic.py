@@ -8,7 +8,7 @@ The final norm gives hidden states of about unit RMS per element, so the initial
 standard deviation of about VALUE_HEAD_INIT_STD (0.01): a critic that knows nothing predicts about
 0, and the first advantages are the rewards, not noise. The scale TRL uses, N(0, 1/(hidden+1)),
 gives values of standard deviation about 1 whatever the hidden size (measured on the CPU demo:
-explained variance -69 at step 1, rewards about 0.04), and PPO's first steps then push the actor
+explained variance -69 to -81 at step 1, rewards about 0.04), and PPO's first steps then push the actor
 with the critic's noise.
 
 The head is replicated on every tensor-parallel rank: its input (the final hidden states) is

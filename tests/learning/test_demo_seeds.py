@@ -18,7 +18,9 @@ SEEDS = (1, 2)
 ESTIMATORS = ("grpo", "gae")
 FLOOR = 0.9
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # four demo runs, two at a time: about 8 minutes on 2 cores
+# Four demo runs, two at a time: 11:46 measured on the 2-core machine under load average 15-35
+# (two more demo runs of this session beside it); each run alone is about 2 minutes.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def _make_model_and_data(root: Path) -> list[str]:
