@@ -65,6 +65,13 @@ def stop_token_ids(rollout, eos_token_id: int | None) -> tuple[int, ...]:
     return tuple(rollout.stop_token_ids) + eos
 
 
+def actor_updates_at(step: int, critic_warmup: int) -> bool:
+    """trainer.critic_warmup as verl applies it (`critic_warmup <= global_steps`, steps counted from
+    1): the actor's first update is at step critic_warmup; the steps before it train only the critic,
+    so the actor's first advantages come from a critic that has seen critic_warmup - 1 batches."""
+    return critic_warmup <= step
+
+
 def engine_config(cfg: Config, role: str, total_steps: int) -> EngineConfig:
     """The Megatron engine settings of one role (actor / critic / ref) from the run config."""
     if role == "ref":
@@ -317,7 +324,7 @@ class Trainer:
         if self.critic is not None:
             with clock("timing_s/update_critic"):
                 update.update(self._update_critic(batch))
-        if not before.skip_actor_update:
+        if not before.skip_actor_update and (self.critic is None or actor_updates_at(self.step, cfg.trainer.critic_warmup)):
             with clock("timing_s/update_actor"):
                 update.update(self._update_actor(batch))
 

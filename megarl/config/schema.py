@@ -317,6 +317,9 @@ class TrainerConfig:
     run_dir: str = knob("runs/megarl", "checkpoints, metrics.jsonl, resolved config and the MLflow store go here")
     total_steps: int = knob(100, "PPO steps to run", ge=1)
     seed: int = knob(1, "seed of data order, sampling and init; randomness never depends on the layout", ge=0)
+    critic_warmup: int = knob(0, "verl's critic warm-up: the actor is first updated at this step (steps count from 1), so "
+                                 "steps 1 .. critic_warmup-1 train only the critic; 0 and 1 = no warm-up; ignored without a critic "
+                                 "(adv_estimator other than gae), so one config serves both", ge=0)
     save_every_steps: int = knob(0, "checkpoint every N steps (and at the end); 0 = never", ge=0)
     keep_last_checkpoints: int = knob(0, "delete older complete checkpoints beyond this many; 0 = keep all", ge=0)
     resume: str = knob("auto", "auto (latest complete checkpoint in run_dir, if any) | never | a checkpoint path")

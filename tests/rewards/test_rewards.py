@@ -16,7 +16,14 @@ def test_arithmetic_partial_credit_per_position():
     assert arithmetic_score("47", "472") == pytest.approx(2 / 3)  # stopped early
     assert arithmetic_score("972", "472") == pytest.approx(2 / 3)
     assert arithmetic_score("", "472") == 0.0
-    assert arithmetic_score(" 472", "472") == 1.0  # surrounding whitespace is ignored
+
+
+def test_arithmetic_whitespace_is_a_character():
+    # "472 " is what a policy truncated at max_new_tokens=4 answers when it emits a space where eos
+    # belongs: it must not score like "472" + eos (the demo's GAE run learned exactly that hack).
+    assert arithmetic_score("472 ", "472") == 0.75
+    assert arithmetic_score(" 472", "472") == 0.0  # every position shifted
+    assert arithmetic_score("47 ", "472") == pytest.approx(2 / 3)
 
 
 @pytest.mark.parametrize("response, strict, flexible", [
