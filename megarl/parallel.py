@@ -125,6 +125,11 @@ class ParallelDims:
         self._initialized = True
         return self
 
+    @property
+    def initialized(self) -> bool:
+        """Whether initialize() has built this layout's process groups."""
+        return self._initialized
+
     def _state(self):
         if not self._initialized:
             raise RuntimeError("ParallelDims.initialize() must be called before asking for groups")

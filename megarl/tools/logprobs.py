@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if not dist.is_initialized():
+    if not dims.initialized:  # a hub id started the process groups above; otherwise they start here
         dims.initialize()
     model, spec = load_model_chunks(model_dir, dims, dtype=args.dtype)
     for chunk in model:
