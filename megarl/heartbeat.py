@@ -90,6 +90,10 @@ class Heartbeat:
 
     def _run(self) -> None:
         beat, started = 0, time.monotonic()
+        try:  # at once: a rank that freezes within its first interval is still named with its phase
+            self._publish(beat)
+        except Exception:
+            pass
         while not self._stop.wait(self.interval_s):
             beat += 1
             try:
