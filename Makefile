@@ -91,7 +91,7 @@ test: $(FULL_SETUP) multinode-deps monitor-deps
 
 # The cross-release checkpoint test needs both stacks: it runs in test-core, in both directions.
 test-full: $(FULL_SETUP) multinode-deps monitor-deps
-	$(FULL_BIN)/python -m pytest tests $(TEST_FULL_ARGS)
+	$(FULL_BIN)/python -m pytest tests --durations=25 $(TEST_FULL_ARGS)
 
 test-core: setup setup-py312
 	MEGARL_OTHER_PYTHON=$(abspath $(FULL_BIN))/python $(CORE_BIN)/python -m pytest $(CORE_TESTS)
