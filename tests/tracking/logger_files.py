@@ -1,9 +1,24 @@
-"""Reading back what the loggers wrote in a run directory: TensorBoard scalars and the W&B history."""
+"""Reading back what the loggers wrote in a run directory: metrics.jsonl, TensorBoard scalars and the W&B history."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import wandb_files
+
+from megarl.tracking import read_metrics_file
+
+
+def jsonl_rows(run_dir: Path) -> dict[int, dict]:
+    """{step: {name: value}} from metrics.jsonl, events as `events/<name>` = 1.0; a step twice fails."""
+    rows: dict[int, dict] = {}
+    for r in read_metrics_file(run_dir / "metrics.jsonl"):
+        row = rows.setdefault(r["step"], {})
+        if "event" in r:
+            row[f"events/{r['event']}"] = 1.0
+        else:
+            assert not any(k in row for k in r if k != "step"), f"step {r['step']} appears twice in metrics.jsonl"
+            row.update({k: v for k, v in r.items() if k != "step" and v is not None})
+    return rows
 
 
 def tensorboard_scalars(run_dir: Path) -> dict[int, dict[str, float]]:

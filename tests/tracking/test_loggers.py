@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from logger_files import tensorboard_scalars, wandb_history
+from logger_files import jsonl_rows, tensorboard_scalars, wandb_history
 from megarl.config import ConfigError, TrackingConfig, check_monitor_packages, load_config, validate
-from megarl.tracking import Tracker, read_metrics_file
+from megarl.tracking import Tracker
 
 BASE = ["model.path=/tmp/model", "data.train_files=[/tmp/train.parquet]"]
 ALL = TrackingConfig(loggers=["console", "jsonl", "mlflow", "tensorboard", "wandb"], progress_bar=False)
@@ -20,17 +20,6 @@ def _step(step: int, segment: int = 0) -> dict:
     return {"critic/score/mean": 0.25 * step + segment, "actor/pg_loss": -0.5 * step, "timing_s/gen": 1.5,
             "actor/grad_norm": float("nan") if step == 2 else 2.0}
 
-
-def _jsonl_rows(run_dir) -> dict[int, dict]:
-    rows: dict[int, dict] = {}
-    for r in read_metrics_file(run_dir / "metrics.jsonl"):
-        row = rows.setdefault(r["step"], {})
-        if "event" in r:
-            row[f"events/{r['event']}"] = 1.0
-        else:
-            assert not any(k in row for k in r if k != "step"), f"step {r['step']} appears twice in metrics.jsonl"
-            row.update({k: v for k, v in r.items() if k != "step" and v is not None})
-    return rows
 
 
 def _assert_equal(expected: dict, got: dict, name: str, rel: float = 0.0):
@@ -46,7 +35,7 @@ def test_every_logger_holds_the_jsonl_values_and_a_resume_duplicates_no_step(tmp
         tracker.log(_step(step), step)
     tracker.event("guard/kl", 4, kl=2.5)
     tracker.close("KILLED")
-    first = _jsonl_rows(run_dir)
+    first = jsonl_rows(run_dir)
     assert first[2] == {"critic/score/mean": 0.5, "actor/pg_loss": -1.0, "timing_s/gen": 1.5}  # NaN: absent
     assert first[4]["events/guard/kl"] == 1.0
     _assert_equal(first, tensorboard_scalars(run_dir), "tensorboard")
@@ -57,7 +46,7 @@ def test_every_logger_holds_the_jsonl_values_and_a_resume_duplicates_no_step(tmp
     for step in (3, 4, 5):
         tracker.log(_step(step, segment=10), step)
     tracker.close()
-    rows = _jsonl_rows(run_dir)
+    rows = jsonl_rows(run_dir)
     assert sorted(rows) == [1, 2, 3, 4, 5] and rows[4]["critic/score/mean"] == 11.0 and "events/guard/kl" not in rows[4]
     _assert_equal(rows, tensorboard_scalars(run_dir), "tensorboard")
     _assert_equal(rows, wandb_history(run_dir), "wandb")

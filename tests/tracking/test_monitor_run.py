@@ -17,7 +17,7 @@ import time
 import pytest
 
 from conftest import REPO, free_port
-from logger_files import tensorboard_scalars, wandb_history
+from logger_files import jsonl_rows, tensorboard_scalars, wandb_history
 from megarl.profiling import trace_path
 from megarl.tracking import read_metrics_file
 from prometheus_helpers import PrometheusServer, dashboard_metric_names, fetch, need, promtool_check_metrics
@@ -29,17 +29,6 @@ pytestmark = [pytest.mark.slow]
 
 PHASES = ("sync", "gen", "old_log_prob", "ref", "values", "reward", "adv", "update_critic", "update_actor")
 
-
-def _jsonl_rows(run_dir) -> dict[int, dict]:
-    rows: dict[int, dict] = {}
-    for r in read_metrics_file(run_dir / "metrics.jsonl"):
-        row = rows.setdefault(r["step"], {})
-        if "event" in r:
-            row[f"events/{r['event']}"] = 1.0
-        else:
-            assert not any(k in row for k in r if k != "step"), f"step {r['step']} twice in metrics.jsonl"
-            row.update({k: v for k, v in r.items() if k != "step" and v is not None})
-    return rows
 
 
 def _assert_same(expected: dict, got: dict, name: str, rel: float):
@@ -86,7 +75,7 @@ def watched_run(tmp_path_factory):
         launch_ok(0, overrides)
         time.sleep(1)  # the last scrape of the finished run reaches the TSDB head
         scraper.done = True
-        first = {"jsonl": _jsonl_rows(run_dir), "tensorboard": tensorboard_scalars(run_dir), "wandb": wandb_history(run_dir)}
+        first = {"jsonl": jsonl_rows(run_dir), "tensorboard": tensorboard_scalars(run_dir), "wandb": wandb_history(run_dir)}
         queries = ("max_over_time(megarl_step[1h])", "last_over_time(megarl_critic_score_mean[1h])")
         promql = {q: server.query(q) for q in queries} if server else None
         names = server.metric_names() if server else None
@@ -111,7 +100,7 @@ def test_a_resumed_run_has_no_step_twice_in_any_logger(watched_run):
     assert "resumed from" in watched_run["resumed"] and "step_00000002" in watched_run["resumed"]
     steps = [r["step"] for r in read_metrics_file(run_dir / "metrics.jsonl") if "event" not in r]
     assert steps == [1, 2, 3]
-    rows = _jsonl_rows(run_dir)
+    rows = jsonl_rows(run_dir)
     _assert_same(rows, tensorboard_scalars(run_dir), "tensorboard", rel=1e-6)
     _assert_same(rows, wandb_history(run_dir), "wandb", rel=0)  # asserts one offline directory
     # the re-run step 3 is the resumed process's: its timing differs from the first run's
