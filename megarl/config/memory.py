@@ -84,12 +84,11 @@ def estimate(cfg: Config, world_size: int, device_bytes: float) -> ColocatedMemo
     """The estimate for `cfg` as its offloads stand (null = off); None when the planner does not
     know the model (no config.json yet, or a family it does not read)."""
     from megarl.plan.arch import arch_from_config, load_config
-    from megarl.plan.estimate import Cluster, Layout, RunShape, check, engine_state, offloaded_bytes
+    from megarl.plan.estimate import Cluster, RunShape, check, engine_state, offloaded_bytes
+    from megarl.plan.from_config import planner_inputs
     from megarl.plan.hardware import GPU
 
-    p = cfg.parallel
-    lay = Layout(tp=p.tp, pp=p.pp, vpp=p.vpp or 1, first_stage_layers=p.first_stage_layers,
-                 last_stage_layers=p.last_stage_layers, ep=p.ep, etp=p.etp, cp=p.cp, rollout_tp=cfg.rollout.tp)
+    _, lay, _ = planner_inputs(cfg)  # the planner's layout of this config, as `megarl.tools.plan` reads it
     run = RunShape(dtype=cfg.model.dtype, gpu_memory_fraction=cfg.rollout.gpu_memory_utilization)
     archs = {}
     for role in roles(cfg):
