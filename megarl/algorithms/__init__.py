@@ -23,9 +23,12 @@ from megarl.algorithms.kl import (
     kl_penalty,
 )
 from megarl.algorithms.losses import AGG_MODES, agg_loss, gspo_policy_loss, policy_loss, value_loss
+from megarl.algorithms.rollout_correction import CORRECTION_MODES, Correction, compute_rollout_correction
 
 __all__ = [
     "AGG_MODES",
+    "CORRECTION_MODES",
+    "Correction",
     "KL_KINDS",
     "KL_KINDS_ALL",
     "AdaptiveKLController",
@@ -46,5 +49,6 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "policy_loss",
+    "compute_rollout_correction",
     "value_loss",
 ]
