@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megarl import algorithms as A
-from megarl import checkpoint, heartbeat, profiling
+from megarl import checkpoint, heartbeat, profiling, rollout_corr
 from megarl.config import Config
 from megarl.data.dataset import PromptDataset, PromptRow
 from megarl.data.tokenizer import load_tokenizer
@@ -291,6 +291,10 @@ class Trainer:
                                           banned_token_ids=self.sampling.banned_token_ids)
             batch.tensors["old_logprobs"], entropy = out["logprobs"], out["entropy"]
         sync_check = self._verify_sync(rollout_batch, batch.tensors["old_logprobs"], mask)
+        # algorithm.rollout_correction: importance weights / rejection between the engine's log-probs
+        # (behaviour) and the old log-probs (proximal), for the actor's loss (megarl.rollout_corr)
+        corr_metrics = rollout_corr.apply(alg.rollout_correction, batch, rollout_batch.rollout_logprobs,
+                                          rollout_batch.logprobs_are_scaled, self.global_batch)
         if self.ref is not None:
             with clock("timing_s/ref"):
                 batch.tensors["ref_logprobs"] = self.ref.forward_only(batch, temperature=self.sampling.temperature,
@@ -350,6 +354,7 @@ class Trainer:
             memory=_memory_metrics(), resident=self._resident_metrics(resident), timing=timing,
             world_size=self.dims.world_size, explained_var=explained_var, guard_events=events)
         metrics.update(sync_check.metrics)
+        metrics.update(corr_metrics)
         metrics["training/hybrid_sync_direct"] = float(self.weight_path == "direct")  # 1: shards into vLLM's parameters
         metrics.update(filtered.metrics if filtered else {})
         return StepResult(metrics, events)
@@ -470,7 +475,8 @@ class Trainer:
         agg_mode = actor_cfg.loss_agg_mode
         clip_low = actor_cfg.clip_ratio_low if actor_cfg.clip_ratio_low is not None else actor_cfg.clip_ratio
         clip_high = actor_cfg.clip_ratio_high if actor_cfg.clip_ratio_high is not None else actor_cfg.clip_ratio
-        fields = ("old_logprobs", "advantages") + (("ref_logprobs",) if actor_cfg.use_kl_loss else ())
+        fields = (("old_logprobs", "advantages") + (("ref_logprobs",) if actor_cfg.use_kl_loss else ())
+                  + rollout_corr.actor_fields(batch))
         want = ("logprobs", "entropy") if actor_cfg.entropy_coeff > 0 else ("logprobs",)
 
         def loss_fn(out, mb, totals):
@@ -480,11 +486,12 @@ class Trainer:
                 # GSPO clips a sequence-level ratio: its own bounds (clip_ratio_low/high, GSPO's 3e-4 / 4e-4
                 # when unset); PPO's clip_ratio and dual clip do not apply (validation refuses them)
                 pg_loss, metrics = A.gspo_policy_loss(out["logprobs"], mb["old_logprobs"], mb["advantages"], mask, agg=agg_mode,
-                                                      **_gspo_clip(actor_cfg), **agg)
+                                                      rollout_is_weights=mb.get(rollout_corr.WEIGHTS), **_gspo_clip(actor_cfg), **agg)
             else:
                 pg_loss, metrics = A.policy_loss(out["logprobs"], mb["old_logprobs"], mb["advantages"], mask,
                                                  clip_ratio_low=clip_low, clip_ratio_high=clip_high,
-                                                 clip_ratio_c=actor_cfg.clip_ratio_c, agg=agg_mode, **agg)
+                                                 clip_ratio_c=actor_cfg.clip_ratio_c, agg=agg_mode,
+                                                 rollout_is_weights=mb.get(rollout_corr.WEIGHTS), **agg)
             loss = pg_loss
             metrics = {**metrics, "actor/pg_loss": _local_loss_value(pg_loss, totals, mb)}
             if actor_cfg.entropy_coeff > 0:
@@ -497,7 +504,7 @@ class Trainer:
             return loss, metrics
 
         # for epoch in ppo_epochs: for mini_batch in ppo_mini_batches: forward/backward its micro-batches, optimizer step
-        stats = self.actor.train_step(batch, loss_fn, fields=fields, epochs=actor_cfg.ppo_epochs,
+        stats = self.actor.train_step(rollout_corr.actor_batch(batch), loss_fn, fields=fields, epochs=actor_cfg.ppo_epochs,
                                       mini_batches=actor_cfg.ppo_mini_batches, shuffle_seed=self._shuffle_seed(0), want=want,
                                       temperature=self.sampling.temperature, banned_token_ids=self.sampling.banned_token_ids,
                                       skip_grad_norm_above=self.cfg.guards.grad_norm_threshold or None)

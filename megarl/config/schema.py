@@ -256,6 +256,24 @@ class FilterGroupsConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    mode: Literal["none", "tis", "mis", "icepop", "decoupled"] = knob(
+        "none", "off-policy correction between the rollout engine's log-probs (behaviour) and the trainer's (docs/"
+                "algorithms.md): tis truncates the ratio, mis rejects sequences outside a band, icepop zeroes tokens "
+                "outside a band, decoupled is AReaL's behaviour-weighted PPO; none logs rollout_corr/kl only")
+    rollout_is: Literal["token", "sequence"] = knob("token", "tis: per-token ratio or the sequence's product ratio (verl)")
+    rollout_is_threshold: float = knob(2.0, "tis: truncation C of the importance weight, min(r, C) (verl)", gt=0)
+    rollout_rs_threshold: float = knob(2.0, "mis: upper bound of the sequence ratio; above it the sequence is rejected "
+                                            "(verl)", gt=0)
+    rollout_rs_threshold_lower: Optional[float] = knob(None, "mis: lower bound of the sequence ratio; null = "
+                                                             "1 / rollout_rs_threshold (verl)", gt=0)
+    icepop_low: float = knob(0.5, "icepop: tokens whose ratio is below this get weight 0 (the paper's 0.5)", gt=0)
+    icepop_high: float = knob(5.0, "icepop: tokens whose ratio is above this get weight 0 (the paper's 5)", gt=0)
+    behav_imp_weight_cap: Optional[float] = knob(None, "decoupled: tokens whose behaviour weight pi_prox / pi_behav "
+                                                       "exceeds this get weight 0; null = no cap (AReaL)", gt=0)
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "remax"] = knob(
         "gae", "advantage estimator; gae trains a critic")
@@ -266,6 +284,9 @@ class AlgorithmConfig:
     kl_penalty: KLKind = knob("kl", "KL estimator of the in-reward penalty")
     kl_ctrl: KLControlConfig = section(KLControlConfig, "KL coefficient controller")
     filter_groups: FilterGroupsConfig = section(FilterGroupsConfig, "DAPO dynamic sampling (verl's algorithm.filter_groups)")
+    rollout_correction: RolloutCorrectionConfig = section(
+        RolloutCorrectionConfig, "off-policy correction of the engine/trainer mismatch and staleness (verl's "
+                                 "algorithm.rollout_correction)")
 
 
 @dataclass

@@ -105,6 +105,7 @@ def _check_unworkable(cfg: Config) -> None:
         raise ConfigError(f"rollout.ignore_eos with rollout.stop_token_ids = {cfg.rollout.stop_token_ids} on rollout.engine=sglang: "
                           f"SGLang 0.5.23 stops on its stop ids and the model's eos together, or with ignore_eos on neither; "
                           f"drop one of the two, or use rollout.engine=vllm or hf")
+    _check_rollout_correction(cfg)
     uses_ref = alg.use_kl_in_reward or a.use_kl_loss
     if g.kl_threshold > 0 and not uses_ref:
         raise ConfigError("guards.kl_threshold > 0 but there is no KL to watch (algorithm.use_kl_in_reward and "
@@ -112,6 +113,18 @@ def _check_unworkable(cfg: Config) -> None:
     if g.kl_threshold > 0 and g.kl_action == "raise_coef" and not alg.use_kl_in_reward:
         raise ConfigError("guards.kl_action=raise_coef raises the in-reward KL coefficient, but algorithm.use_kl_in_reward "
                           "is false so nothing reads it: set algorithm.use_kl_in_reward=true or guards.kl_action=skip_update")
+
+
+def _check_rollout_correction(cfg: Config) -> None:
+    rc = cfg.algorithm.rollout_correction
+    lower = rc.rollout_rs_threshold_lower if rc.rollout_rs_threshold_lower is not None else 1 / rc.rollout_rs_threshold
+    if rc.mode == "mis" and not lower < rc.rollout_rs_threshold:
+        raise ConfigError(f"algorithm.rollout_correction: mis keeps sequences whose ratio lies in [rollout_rs_threshold_lower, "
+                          f"rollout_rs_threshold] = [{lower}, {rc.rollout_rs_threshold}], an empty band: make the upper bound "
+                          f"larger than the lower (e.g. 2.0 with lower null = 0.5)")
+    if rc.mode == "icepop" and not rc.icepop_low < rc.icepop_high:
+        raise ConfigError(f"algorithm.rollout_correction: icepop keeps tokens whose ratio lies in [icepop_low, icepop_high] = "
+                          f"[{rc.icepop_low}, {rc.icepop_high}], an empty band: use e.g. the paper's 0.5 and 5")
 
 
 def _check_monitoring(cfg: Config) -> None:
