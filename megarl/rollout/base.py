@@ -94,7 +94,8 @@ class RolloutResult:
         reports scaled_logprobs here instead (docs/rollout.md has the table).
     scaled_logprobs: the same under softmax(logits / temperature) over the allowed vocabulary
         (banned tokens removed, as in logprobs) without top-k/top-p truncation: the quantity the
-        actor recomputes. None when the engine does not return it.
+        actor recomputes, and the behaviour policy of the off-policy ratio (vLLM: processed + the
+        log kept mass its KeptMassRecorder measured). None when the engine does not return it.
     routed_experts: MoE routing replay: the experts each token went to, [prompt + response - 1
         tokens, num_layers, topk] int16 (-1: dense layer / not routed; the last response token is
         never fed back). None unless the engine was asked to record (hf: `record_routes`).

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence
@@ -121,6 +122,8 @@ def engine_kwargs(config: VLLMConfig, group_index: int, sleep_mode: bool = True)
         load_format="dummy",  # weights come from the trainer; reload_weights() from disk would fail
         enable_sleep_mode=sleep_mode,
         logprobs_mode="processed_logprobs",  # the distribution actually sampled from (default is raw)
+        # log of the mass top-k/top-p keep, so the untruncated log-probs come back too (vllm_raw_logprobs)
+        logits_processors=[RAW_LOGPROBS_PROCESSOR],
         dtype=config.dtype,
         enforce_eager=config.enforce_eager,
     )
@@ -134,20 +137,38 @@ def engine_kwargs(config: VLLMConfig, group_index: int, sleep_mode: bool = True)
     return kwargs
 
 
-def to_vllm_sampling(vllm, sampling: SamplingParams, seed: int):
+RAW_LOGPROBS_PROCESSOR = "megarl.rollout.vllm_raw_logprobs:KeptMassRecorder"
+
+
+def truncates(sampling: SamplingParams) -> bool:
+    """Sampling whose processed log-probs differ from the untruncated ones at temperature T."""
+    return not sampling.greedy and (sampling.top_k > 0 or sampling.top_p < 1.0)
+
+
+def to_vllm_sampling(vllm, sampling: SamplingParams, seed: int, tag: str | None = None):
     """One single-sample vllm.SamplingParams; `n` is expanded by megarl so each sample has its seed.
 
     ignore_eos: stop on `stop_token_ids` only, as every megarl engine does (the trainer puts the
     tokenizer's EOS there). Without it vLLM also stops on the model's EOS and on generation_config's
     eos_token_id list, which the hf engine does not (the stop ids are still honoured with it).
     Banned tokens (rollout.banned_token_ids) get a -inf logit bias, vLLM's own way to forbid them.
+    tag: asks KeptMassRecorder to record this request's kept mass under that name.
     """
     banned = {"logit_bias": {t: float("-inf") for t in sampling.banned_token_ids}} if sampling.banned_token_ids else {}
+    tagged = {"extra_args": {"megarl_kept_mass": tag}} if tag is not None else {}
     return vllm.SamplingParams(
         n=1, seed=seed, logprobs=0, max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
         top_p=sampling.top_p, top_k=sampling.top_k, stop_token_ids=list(sampling.stop_token_ids), detokenize=False,
-        ignore_eos=True, **banned,
+        ignore_eos=True, **banned, **tagged,
     )
+
+
+def untruncated_logprobs(processed: list[float], log_mass: dict[int, float] | None) -> list[float] | None:
+    """log p_T(y_j) = log p_processed(y_j) + log S_j, or None when a position has no record (an
+    engine that did not run KeptMassRecorder: the trainer then has processed log-probs only)."""
+    if log_mass is None or any(j not in log_mass for j in range(len(processed))):
+        return None
+    return [lp + log_mass[j] for j, lp in enumerate(processed)]
 
 
 def sampled_logprobs(completion) -> list[float]:
@@ -187,6 +208,15 @@ def with_tied_lm_head(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[t
         yield "lm_head.weight", embedding
 
 
+def _pop_records(tags: list[str | None]) -> dict[str, dict[int, float] | None]:
+    """KeptMassRecorder's records of these tags, removed from its table."""
+    # the module is imported by vLLM when it loads the processor (LLM(logits_processors=...)); not
+    # imported means no processor ran, so there is nothing to pop
+    module = sys.modules.get(RAW_LOGPROBS_PROCESSOR.split(":")[0])
+    table = module.RECORDS if module is not None else {}
+    return {tag: table.pop(tag, None) for tag in tags if tag is not None}
+
+
 class VLLMRolloutEngine:
     """RolloutEngine over vLLM's in-process LLM; construct on every rank at the same point."""
 
@@ -203,6 +233,7 @@ class VLLMRolloutEngine:
         if world % T:
             raise ValueError(f"world size {world} is not divisible by vLLM tensor_parallel_size {T}")
         self._vllm, self.config = vllm, config
+        self._generate_calls = 0  # names this engine's KeptMassRecorder tags
         self.group_index = rank // T
         supported = platform_has_sleep_mode(vllm)
         if config.enable_sleep_mode and not supported:
@@ -280,15 +311,25 @@ class VLLMRolloutEngine:
         vllm = self._vllm
         specs = expand_samples(requests, sampling)
         prompts = [vllm.TokensPrompt(prompt_token_ids=list(s.request.prompt_token_ids)) for s in specs]
-        params = [to_vllm_sampling(vllm, sampling, s.seed) for s in specs]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        # untruncated log-probs: the processed ones when nothing is truncated (the same distribution),
+        # else processed + the log kept mass KeptMassRecorder measures per tagged request
+        self._generate_calls += 1
+        tags = [f"{id(self)}-{self._generate_calls}-{i}" if truncates(sampling) else None for i in range(len(specs))]
+        params = [to_vllm_sampling(vllm, sampling, s.seed, tag) for s, tag in zip(specs, tags)]
+        try:
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            records = _pop_records(tags)
         if len(outputs) != len(specs):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(specs)} prompts")
         results = []
-        for s, out in zip(specs, outputs):
+        for s, tag, out in zip(specs, tags, outputs):
             c = out.outputs[0]
-            results.append(RolloutResult(s.request.prompt_index, s.sample_index, list(c.token_ids), sampled_logprobs(c),
-                                         c.finish_reason if c.finish_reason in ("stop", "length") else "abort"))
+            processed = sampled_logprobs(c)
+            untruncated = list(processed) if tag is None else untruncated_logprobs(processed, records.get(tag))
+            results.append(RolloutResult(s.request.prompt_index, s.sample_index, list(c.token_ids), processed,
+                                         c.finish_reason if c.finish_reason in ("stop", "length") else "abort",
+                                         scaled_logprobs=untruncated))
         return results
 
     def release_memory(self) -> None:

@@ -30,6 +30,7 @@ VLLM_SAMPLING_FIELDS = {
     "n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "stop_token_ids", "stop", "ignore_eos",
     "seed", "logprobs", "prompt_logprobs", "logprob_token_ids", "flat_logprobs", "detokenize", "skip_special_tokens",
     "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "bad_words", "allowed_token_ids",
+    "extra_args",
 }
 SGLANG_ENGINE_KWARGS = {
     "model_path", "tokenizer_path", "dtype", "trust_remote_code", "load_format", "skip_tokenizer_init", "context_length",

@@ -85,7 +85,8 @@ def test_call_sequence_of_one_step(fake_vllm, single_rank, monkeypatch):
     name, kwargs = fake_vllm.calls[0]
     assert name == "LLM"
     assert kwargs == dict(model="/models/tiny", tensor_parallel_size=1, distributed_executor_backend="external_launcher", seed=10,
-                          load_format="dummy", enable_sleep_mode=True, logprobs_mode="processed_logprobs", dtype="auto",
+                          load_format="dummy", enable_sleep_mode=True, logprobs_mode="processed_logprobs",
+                          logits_processors=["megarl.rollout.vllm_raw_logprobs:KeptMassRecorder"], dtype="auto",
                           enforce_eager=False, kv_cache_memory_bytes=1 << 30, max_model_len=256)
     assert engine.sleep_mode
     assert fake_vllm.calls[1] == ("sleep", 2)
@@ -113,9 +114,12 @@ def test_call_sequence_of_one_step(fake_vllm, single_rank, monkeypatch):
     assert use_tqdm is False
     assert prompts == [{"prompt_token_ids": [5, 6]}] * 2 + [{"prompt_token_ids": [7]}] * 2
     seeds = [make_sample_seed(1, 2, 3, 0), make_sample_seed(1, 2, 3, 1), make_sample_seed(1, 2, 4, 0), make_sample_seed(1, 2, 4, 1)]
-    for p, seed in zip(params, seeds):
+    tags = [p.extra_args["megarl_kept_mass"] for p in params]  # truncated sampling: each asks for its kept mass
+    assert len(set(tags)) == 4
+    for p, seed, tag in zip(params, seeds, tags):
         assert vars(p) == dict(n=1, seed=seed, logprobs=0, max_tokens=3, temperature=0.8, top_p=0.9, top_k=20,
-                               stop_token_ids=[2], detokenize=False, ignore_eos=True)
+                               stop_token_ids=[2], detokenize=False, ignore_eos=True, extra_args={"megarl_kept_mass": tag})
+    assert results[0].scaled_logprobs is None  # the fake runs no KeptMassRecorder: no untruncated log-probs
     assert [(r.prompt_index, r.sample_index) for r in results] == [(3, 0), (3, 1), (4, 0), (4, 1)]
     assert results[0].response_token_ids == fake_tokens(seeds[0], [5, 6])
     assert results[0].logprobs == [-0.5, -1.5, -2.5]  # the sampled token's entry, not the decoy
@@ -196,3 +200,13 @@ def test_builder_passes_the_trainers_dtype(fake_vllm, single_rank):
     # weight_sync="full": vLLM's loader takes full HF tensors and slices them itself (the direct
     # path, which reads the real engine's parameters, is tested against real vLLM in tests/vllm)
     assert setup.weight_layout.tp == 1 and setup.weight_path == "full"
+
+
+def test_untruncated_logprobs_add_the_log_kept_mass_per_position():
+    from megarl.rollout.vllm import truncates, untruncated_logprobs
+
+    assert untruncated_logprobs([-0.5, -1.0], {0: -0.25, 1: -0.5, 2: -9.0}) == [-0.75, -1.5]
+    assert untruncated_logprobs([-0.5, -1.0], {0: -0.25}) is None  # a position without a record: none at all
+    assert untruncated_logprobs([-0.5], None) is None
+    assert truncates(SamplingParams(top_p=0.9)) and truncates(SamplingParams(top_k=5))
+    assert not truncates(SamplingParams()) and not truncates(SamplingParams(temperature=0.0, top_k=5))

@@ -15,6 +15,12 @@ COMPARED = ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "actor/ppo_k
             "critic/grad_norm", "actor/reward_kl_penalty", "critic/returns/mean", "actor/entropy")
 # (not critic/advantages/mean: whitened advantages average to zero, so only rounding noise is left)
 
+# The layout runs also train with TIS under nucleus sampling (issue 24, item 3): the rollout_corr/
+# metrics appear, agree across layouts, and show an engine that agrees with the trainer (ratios 1 at
+# float32 noise), which they do only because the ratio uses the untruncated log-probs: the processed
+# ones would put log(kept mass) < 0 into every token's ratio.
+CORRECTION = {"algorithm.rollout_correction.mode": "tis", "rollout.top_p": 0.9}
+
 
 def _assert_close(a: list[dict], b: list[dict], rel: float, keys=COMPARED) -> None:
     assert [r["step"] for r in a] == [r["step"] for r in b]
@@ -60,8 +66,14 @@ def test_same_run_under_every_layout(tmp_path_factory, nproc, tp, pp, single_pro
     run_dir = tmp_path_factory.mktemp(f"layout_tp{tp}_pp{pp}")
     # dp2 also offloads everything between phases: numbers must not change, memory must.
     offload = OFFLOAD_ALL if (tp, pp) == (1, 1) else {}
-    launch_ok(nproc, small_run_overrides(root, run_dir, **{"trainer.total_steps": 2, "parallel.tp": tp, "parallel.pp": pp}, **offload))
-    _assert_close(read_metrics(single_process_run), read_metrics(run_dir), rel=1e-3)
+    launch_ok(nproc, small_run_overrides(root, run_dir, **{"trainer.total_steps": 2, "parallel.tp": tp, "parallel.pp": pp},
+                                         **offload, **CORRECTION))
+    _assert_close(read_metrics(single_process_run), read_metrics(run_dir), rel=1e-3,
+                  keys=COMPARED + ("rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_max"))
+    for step in read_metrics(single_process_run) + read_metrics(run_dir):
+        assert abs(step["rollout_corr/kl"]) < 1e-5 and step["rollout_corr/k3_kl"] < 1e-8
+        assert step["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert step["rollout_corr/rollout_is_ratio_fraction_high"] == 0.0
     if offload:
         kept, dropped = read_metrics(single_process_run)[1], read_metrics(run_dir)[1]
         # Offloaded: nothing of actor, critic or reference stays in memory while the rollout generates.
@@ -75,7 +87,7 @@ def test_same_run_under_every_layout(tmp_path_factory, nproc, tp, pp, single_pro
 def single_process_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("layouts")
     run_dir = root / "single"
-    launch_ok(0, small_run_overrides(root, run_dir, **{"trainer.total_steps": 2}))
+    launch_ok(0, small_run_overrides(root, run_dir, **{"trainer.total_steps": 2}, **CORRECTION))
     return run_dir
 
 

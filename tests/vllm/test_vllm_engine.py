@@ -210,6 +210,38 @@ def test_megatron_actor_logprobs_equal_vllm_logprobs_when_bans_hold_most_of_the_
         check_sync(padded.logprobs, full_lp, mask, "float32")
 
 
+def test_untruncated_logprobs_equal_the_trainers_under_top_p_and_top_k_and_processed_ones_do_not(setup, model_dir,
+                                                                                                  world_of_one):
+    """The off-policy ratio compares the engine's and the trainer's log-probs of one distribution,
+    softmax((logits + bias) / T) over the allowed vocabulary (issue 24, item 3). With top-k/top-p
+    set, vLLM's processed log-probs are renormalised over the kept tokens, log S higher at every
+    token; the adapter's scaled_logprobs (processed + the kept mass KeptMassRecorder measured in the
+    engine) equal the Megatron actor's at float32 noise, with bans in the distribution too."""
+    from megarl.engine.batch import SequenceBatch
+    from megarl.engine.engine import EngineConfig, MegatronEngine
+    from megarl.rollout.base import pad_results
+
+    state = perturbed_state(model_dir, 0, scale=0.0)  # the checkpoint's own weights: the actor loads them too
+    _sync(setup.engine, state)
+    sampling = SamplingParams(n=3, temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=8, seed=4, banned_token_ids=(0, 1))
+    results = setup.engine.generate(_requests(step=7), sampling)
+    processed, untruncated = pad_results(results), pad_results(results, use_scaled=True)
+    mask = processed.mask.float()
+    prompts = [PROMPTS[r.prompt_index] for r in results]
+    batch = SequenceBatch([list(p) + list(r.response_token_ids) for p, r in zip(prompts, results)], [len(p) for p in prompts],
+                          list(range(len(results))), mask.shape[1], {"response_mask": mask})
+    actor = MegatronEngine(str(model_dir), world_of_one, EngineConfig(), trainable=False)
+    actor_lp = actor.forward_only(batch, temperature=0.7, banned_token_ids=(0, 1))["logprobs"]
+    on = processed.mask
+    assert (actor_lp - untruncated.logprobs)[on].abs().max() < LOGPROB_ATOL
+    log_kept_mass = (untruncated.logprobs - processed.logprobs)[on]
+    assert (log_kept_mass <= 1e-6).all() and log_kept_mass.mean() < -0.05  # truncation dropped mass at most tokens
+    assert (actor_lp - processed.logprobs)[on].abs().max() > 0.05
+    # untruncated sampling: the processed log-probs are the untruncated ones, recorded as both
+    plain = setup.engine.generate(_requests(step=7), SamplingParams(n=1, temperature=0.7, max_new_tokens=4, seed=4))
+    assert all(r.scaled_logprobs == r.logprobs for r in plain)
+
+
 def test_close_keeps_the_trainers_process_group(setup):
     """Last in the module: vLLM's own shutdown ends with destroy_process_group()."""
     setup.engine.close()
