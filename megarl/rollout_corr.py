@@ -31,7 +31,8 @@ def apply(rc, batch: SequenceBatch, rollout_logprobs: torch.Tensor, logprobs_are
         if rc.mode != "none":  # validation refuses this combination; a new engine could still get here
             raise RuntimeError(f"algorithm.rollout_correction.mode={rc.mode} needs the engine's untruncated log-probs at the "
                                f"sampling temperature, which this rollout engine did not return with rollout.top_p / top_k "
-                               f"set: use mode=none, or drop the truncation")
+                               f"set (vLLM returns them only under its V1 model runner: VLLM_USE_V2_MODEL_RUNNER=0; "
+                               f"docs/algorithms.md): use mode=none, or drop the truncation")
         return {}
     mask = batch.response_mask
     corr = compute_rollout_correction(

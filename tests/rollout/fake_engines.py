@@ -91,6 +91,9 @@ def make_fake_vllm(version: str = "0.33.0", sleep_mode: bool = True):
     platforms = types.ModuleType("vllm.platforms")
     platforms.current_platform = types.SimpleNamespace(is_sleep_mode_available=lambda: sleep_mode)
     mod.platforms = platforms
+    # the CUDA build has Triton (so vLLM runs Model Runner V2), the CPU build does not
+    mod.triton_utils = types.ModuleType("vllm.triton_utils")
+    mod.triton_utils.HAS_TRITON = sleep_mode
 
     class SamplingParams:
         def __init__(self, **kw):
@@ -162,6 +165,8 @@ def make_fake_vllm(version: str = "0.33.0", sleep_mode: bool = True):
 def install_fake_vllm(monkeypatch, mod) -> None:
     monkeypatch.setitem(sys.modules, "vllm", mod)
     monkeypatch.setitem(sys.modules, "vllm.platforms", mod.platforms)
+    monkeypatch.setitem(sys.modules, "vllm.triton_utils", mod.triton_utils)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
 
 
 # ----------------------------------------------------------------------------------------- sglang

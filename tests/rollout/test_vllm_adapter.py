@@ -85,9 +85,9 @@ def test_call_sequence_of_one_step(fake_vllm, single_rank, monkeypatch):
     name, kwargs = fake_vllm.calls[0]
     assert name == "LLM"
     assert kwargs == dict(model="/models/tiny", tensor_parallel_size=1, distributed_executor_backend="external_launcher", seed=10,
-                          load_format="dummy", enable_sleep_mode=True, logprobs_mode="processed_logprobs",
-                          logits_processors=["megarl.rollout.vllm_raw_logprobs:KeptMassRecorder"], dtype="auto",
+                          load_format="dummy", enable_sleep_mode=True, logprobs_mode="processed_logprobs", dtype="auto",
                           enforce_eager=False, kv_cache_memory_bytes=1 << 30, max_model_len=256)
+    assert not engine.kept_mass  # Model Runner V2 (CUDA with Triton) refuses V1 logits processors
     assert engine.sleep_mode
     assert fake_vllm.calls[1] == ("sleep", 2)
     import os
@@ -114,12 +114,10 @@ def test_call_sequence_of_one_step(fake_vllm, single_rank, monkeypatch):
     assert use_tqdm is False
     assert prompts == [{"prompt_token_ids": [5, 6]}] * 2 + [{"prompt_token_ids": [7]}] * 2
     seeds = [make_sample_seed(1, 2, 3, 0), make_sample_seed(1, 2, 3, 1), make_sample_seed(1, 2, 4, 0), make_sample_seed(1, 2, 4, 1)]
-    tags = [p.extra_args["megarl_kept_mass"] for p in params]  # truncated sampling: each asks for its kept mass
-    assert len(set(tags)) == 4
-    for p, seed, tag in zip(params, seeds, tags):
+    for p, seed in zip(params, seeds):
         assert vars(p) == dict(n=1, seed=seed, logprobs=0, max_tokens=3, temperature=0.8, top_p=0.9, top_k=20,
-                               stop_token_ids=[2], detokenize=False, ignore_eos=True, extra_args={"megarl_kept_mass": tag})
-    assert results[0].scaled_logprobs is None  # the fake runs no KeptMassRecorder: no untruncated log-probs
+                               stop_token_ids=[2], detokenize=False, ignore_eos=True)
+    assert results[0].scaled_logprobs is None  # truncated and no KeptMassRecorder: processed log-probs only
     assert [(r.prompt_index, r.sample_index) for r in results] == [(3, 0), (3, 1), (4, 0), (4, 1)]
     assert results[0].response_token_ids == fake_tokens(seeds[0], [5, 6])
     assert results[0].logprobs == [-0.5, -1.5, -2.5]  # the sampled token's entry, not the decoy
@@ -165,6 +163,8 @@ def test_without_platform_sleep_mode_nothing_is_slept(monkeypatch, single_rank):
     engine = VLLMRolloutEngine(VLLMConfig("/m", dtype="bfloat16"))
     assert mod.calls[0][1]["enable_sleep_mode"] is False and mod.calls[0][1]["dtype"] == "bfloat16"
     assert not engine.sleep_mode
+    # no Triton: vLLM's V1 model runner, which runs the kept-mass recorder after temperature
+    assert engine.kept_mass and mod.calls[0][1]["logits_processors"] == ["megarl.rollout.vllm_raw_logprobs:KeptMassRecorder"]
     del mod.calls[:]
     engine.load_weights([("w", torch.zeros(1))])
     engine.resume_memory()
@@ -172,6 +172,10 @@ def test_without_platform_sleep_mode_nothing_is_slept(monkeypatch, single_rank):
     engine.resume_memory()
     assert len(engine.generate([RolloutRequest((1,), 0)], SamplingParams(temperature=0.0, max_new_tokens=2))) == 1
     assert [c[0] for c in mod.calls] == ["collective_rpc", "reset_prefix_cache", "generate"]
+    del mod.calls[:]
+    engine.generate([RolloutRequest((1,), 0)], SamplingParams(top_p=0.5, max_new_tokens=2))
+    (_, _, params, _), = mod.calls
+    assert "megarl_kept_mass" in params[0].extra_args  # truncated sampling asks for its kept mass
 
 
 def test_close_keeps_the_trainers_process_group(fake_vllm, single_rank):
