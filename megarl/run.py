@@ -9,9 +9,9 @@
     run.close()                             # process groups down, the lock released
 
 This is the one module that takes the run-directory lock and decides where a run resumes
-(tests/trainer/test_run.py checks that no other module does). Every refusal is printed once, in one
-line, by rank 0 (by the first rank while no process group exists yet), then `Refused` is raised
-on every rank: launch/ppo.py exits 2.
+(tests/docs/test_house_rules.py checks that no other module does). Every refusal is printed once,
+in one line, by rank 0 (by the first rank while no process group exists yet), then `Refused` is
+raised on every rank: launch/ppo.py exits 2.
 
 Imports are staged on purpose: the warnings filter goes on before Megatron loads, and the config is
 checked (exit 2 within about a second) before torch.distributed, Megatron and the trainer are
@@ -25,6 +25,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import NoReturn
 
 
 class Refused(Exception):
@@ -120,7 +121,7 @@ class Run:
                 print(f"error: {verdict[0]}", file=sys.stderr)
             raise Refused(verdict[0])
 
-    def _refuse(self, err: Exception) -> None:
+    def _refuse(self, err: Exception) -> NoReturn:
         """An error every rank raised together: rank 0 prints it; Refused on every rank."""
         if self.rank == 0:
             print(f"error: {err}", file=sys.stderr)
