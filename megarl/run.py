@@ -143,6 +143,8 @@ class Run:
         self._fail(problem)
 
     def _prepare(self) -> None:
+        """Rank 0 creates the demo's tiny model and data when missing (a path typed on the command
+        line is never generated); the others wait for its verdict."""
         from megarl.data.prepare import user_data_files
 
         problem = None
