@@ -17,7 +17,7 @@ import torch.distributed as dist
 import yaml
 
 from megarl import hub
-from megarl.checkpoint_io import atomic_dir, cleanup_old_checkpoints, latest_complete_checkpoint, load_plain, remove_leftovers, step_dir
+from megarl.checkpoint_io import atomic_dir, cleanup_old_checkpoints, latest_complete_checkpoint, load_plain, step_dir
 from megarl.engine.engine import EngineConfig, MegatronEngine
 from megarl.models.weights import save_hf_checkpoint
 from megarl.parallel import dims_from_env
@@ -64,18 +64,6 @@ def restore(trainer, path: str | Path, weights_only: bool = False) -> int:
     if not weights_only:
         trainer.load_state_dict(state)
     return state["step"]
-
-
-def resume_point(run_dir: str | Path, resume: str) -> Path | None:
-    """trainer.resume: 'auto' -> newest complete checkpoint (or None), 'never' -> None, else a path."""
-    if resume == "never":
-        return None
-    if resume == "auto":
-        if dist.get_rank() == 0:
-            remove_leftovers(checkpoints_root(run_dir))  # temp dirs of a save that was killed
-        dist.barrier()
-        return latest_checkpoint(run_dir)
-    return Path(resume)
 
 
 # --- python -m megarl.checkpoint export --ckpt DIR --out DIR (alias: megarl.tools.export_hf) --------------

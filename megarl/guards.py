@@ -38,6 +38,13 @@ class Guards:
         self.cfg = cfg
         self.state = GuardState()
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: the score EMA, the steps it has seen, the non-finite streak."""
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state.load_state_dict(state)
+
     def before_update(self, rollout_kl: float) -> Verdict:
         """After scoring, before the updates: KL of the rollout against the reference."""
         v = Verdict()

@@ -17,6 +17,10 @@ All ranks run this same program (SPMD). Each data-parallel rank owns prompts_per
 and their samples; quantities defined over the whole batch (advantage whitening, group baselines,
 the KL controller's input) are computed on the all-gathered batch, so every layout computes the
 same numbers.
+
+It is long because the Trainer builds the engines and the rollout side as well as running the loop
+and the step's phases with their helpers (generation, scoring, updates, the weight-sync check);
+the step's tensors moving into a typed record (issue 29) is the next cut.
 """
 from __future__ import annotations
 
@@ -158,7 +162,7 @@ class Trainer:
         release_cached_device_memory()
         groups = dims.rollout_groups(r.tp)
         setup = build_rollout(r.engine, cfg.model.path, groups, seed=t.seed, device=str(self.actor.device),
-                              dtype=self.actor.module.config.params_dtype, memory_fraction=r.gpu_memory_utilization,
+                              dtype=self.actor.params_dtype, memory_fraction=r.gpu_memory_utilization,
                               max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens, train_tp=dims.tp,
                               log=log if dims.rank == 0 else None)
         self.rollout = setup.engine
@@ -197,49 +201,39 @@ class Trainer:
                      f"coefficient {cfg.actor.moe_aux_loss_coeff} (metric actor/moe_aux_loss)")
 
     # --- the loop and its state ---------------------------------------------------------------------
-    def train(self, tracker) -> None:
+    def train(self, tracker, watch: PreemptionWatch) -> None:
         """Steps step+1 .. trainer.total_steps: PPO step, validation, metrics and guard events to
-        the tracker, checkpoints. Collective: every rank calls it."""
+        the tracker, checkpoints; after a step in which `watch` (installed by megarl.run.Run) caught
+        SIGTERM / SIGUSR1 on any rank, its checkpoint and Preempted. Collective: every rank calls it."""
         run = self.cfg.trainer
-        watch = PreemptionWatch().install()  # SIGTERM / SIGUSR1: stop after this step (megarl/preemption.py)
-        beat = heartbeat.start_for_world(run.collective_timeout_s, self.dims.rank, self.dims.world_size)
-        try:
-            while self.step < run.total_steps:
-                self.step += 1
-                heartbeat.enter("step", self.step)
-                last = self.step == run.total_steps
-                with self.profiler.step(self.step):
-                    metrics, events = self.ppo_step()
-                if self.val_data is not None and (self.step % run.val_every_steps == 0 or last):
-                    heartbeat.enter("validate")
-                    metrics.update(self.validate())
-                tracker.log(metrics, step=self.step)
-                for name, fields in events:
-                    tracker.event(name, step=self.step, **fields)
-                saved = bool(run.save_every_steps and (self.step % run.save_every_steps == 0 or last))
-                if saved:
+        while self.step < run.total_steps:
+            self.step += 1
+            heartbeat.enter("step", self.step)
+            last = self.step == run.total_steps
+            with self.profiler.step(self.step):
+                metrics, events = self.ppo_step()
+            if self.val_data is not None and (self.step % run.val_every_steps == 0 or last):
+                heartbeat.enter("validate")
+                metrics.update(self.validate())
+            tracker.log(metrics, step=self.step)
+            for name, fields in events:
+                tracker.event(name, step=self.step, **fields)
+            saved = bool(run.save_every_steps and (self.step % run.save_every_steps == 0 or last))
+            if saved:
+                heartbeat.enter("save")
+                checkpoint.save(self, run.run_dir, self.step, keep_last=run.keep_last_checkpoints)
+            if not last and (signame := watch.agreed()):
+                if not saved:
                     heartbeat.enter("save")
                     checkpoint.save(self, run.run_dir, self.step, keep_last=run.keep_last_checkpoints)
-                if not last and (signame := watch.agreed()):
-                    if not saved:
-                        heartbeat.enter("save")
-                        checkpoint.save(self, run.run_dir, self.step, keep_last=run.keep_last_checkpoints)
-                    if self.dims.rank == 0:
-                        self.log(f"megarl: {signame}: stopped after step {self.step} with its checkpoint; exit code "
-                                 f"{PREEMPTED_EXIT_CODE}, the same command resumes (trainer.resume=auto)")
-                    watch.keep_until_exit = True  # a late signal (torchrun's, to the others) must not cut the exit short
-                    raise Preempted(self.step, signame)
-        finally:
-            watch.uninstall()
-            if beat is not None:
-                beat.stop()
-
-    def resume_point(self) -> Path | None:
-        """The checkpoint trainer.resume names (auto: the newest complete one), or None."""
-        return checkpoint.resume_point(self.cfg.trainer.run_dir, self.cfg.trainer.resume)
+                if self.dims.rank == 0:
+                    self.log(f"megarl: {signame}: stopped after step {self.step} with its checkpoint; exit code "
+                             f"{PREEMPTED_EXIT_CODE}, the same command resumes (trainer.resume=auto)")
+                watch.keep_until_exit = True  # a late signal (torchrun's, to the others) must not cut the exit short
+                raise Preempted(self.step, signame)
 
     def resume(self, start: Path) -> None:
-        """Load the checkpoint `start` (see resume_point) into the engines and this trainer."""
+        """Load the checkpoint `start` (megarl.run.Run decides which) into the engines and this trainer."""
         checkpoint.restore(self, start)
 
     def checkpointed_engines(self) -> dict[str, MegatronEngine]:
@@ -249,14 +243,14 @@ class Trainer:
     def state_dict(self) -> dict:
         """The run state beside the engines' weights and optimizers (trainer.pt of a checkpoint)."""
         return {"step": self.step, "kl_ctrl": self.kl_ctrl.state_dict(), "data": self.data.state_dict(),
-                "guards": self.guards.state.state_dict()}
+                "guards": self.guards.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         # Checkpoints written before this version also hold "lr_scale", which nothing read: ignored.
         self.step = state["step"]
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.data.load_state_dict(state["data"])
-        self.guards.state.load_state_dict(state["guards"])
+        self.guards.load_state_dict(state["guards"])
 
     # ------------------------------------------------------------------------------------------
     def ppo_step(self) -> StepResult:

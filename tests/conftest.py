@@ -20,14 +20,17 @@ from pathlib import Path
 
 import pytest
 
+from megarl.models.families import DENSE_FAMILIES, LARGE_MOE_FAMILIES, MOE_FAMILIES
+
 REPO = Path(__file__).resolve().parents[1]
 # Test support that is not part of the package (the synthetic sharded model, the naive all-gather
 # baseline) lives beside the benchmarks that use it.
 sys.path.insert(0, str(REPO / "benchmarks"))
-FAMILIES = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe")
-# The 671B-class families (issue 14) have their own, variant-rich fixture (`tiny_moe_671b_models`):
-# adding them to FAMILIES would run every family-wide test on two more, slower models.
-FAMILIES_671B = ("deepseek_v3", "glm4_moe")
+# The families come from megarl's one list (megarl.models.families). The 671B-class families (issue 14)
+# have their own, variant-rich fixture (`tiny_moe_671b_models`): adding them to FAMILIES would run
+# every family-wide test on two more, slower models.
+FAMILIES = DENSE_FAMILIES + MOE_FAMILIES
+FAMILIES_671B = LARGE_MOE_FAMILIES
 
 # Keep every test process single-threaded: the suite runs many ranks on two cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -12,6 +12,7 @@ import os
 from megarl import checkpoint_io, hub
 from megarl.config.schema import Config, ConfigError
 from megarl.layout import ParallelLayout
+from megarl.models.families import LARGE_MOE_FAMILIES, MOE_FAMILIES
 
 
 def check_inputs(cfg: Config, overrides=()) -> None:
@@ -122,7 +123,7 @@ def check_model_layout(cfg: Config, model_dirs: dict[str, str] | None = None) ->
             raise ConfigError(f"{err} ({key} {path})") from None
 
 
-TINY_MOE_ARCHS = ("mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe")
+TINY_MOE_ARCHS = MOE_FAMILIES + LARGE_MOE_FAMILIES
 
 
 def check_data_files(cfg: Config, overrides=()) -> None:

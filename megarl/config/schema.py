@@ -3,7 +3,8 @@
 Every knob is a field whose metadata holds its help text and numeric range (`knob`); nested
 sections are `section`s. YAML is only the serialisation of `Config` (megarl.config.loader);
 docs/configuration.md is rendered from these fields (megarl.config.docs). This module imports
-neither torch nor the disk.
+neither torch nor the disk. It is long because it holds every knob of a run, one documented field
+each: one file is the one place to look a key up, and the fields carry no logic to split out.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
+
+from megarl.models.families import DENSE_FAMILIES, MOE_FAMILIES
 
 
 class ConfigError(ValueError):
@@ -57,12 +60,17 @@ ADV_ESTIMATORS_WITH_GROUPS = ("grpo", "rloo")  # baselines from the other sample
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
+# The families whose tiny model these options describe (megarl.models.families); the 671B class's own
+# options (expert groups, MLA ranks) are make_tiny_model's flags, not config keys.
+TinyArch = Literal[DENSE_FAMILIES + MOE_FAMILIES]
+
+
 @dataclass
 class MakeTinyConfig:
     """Options of megarl.tools.make_tiny_model (same names as its keyword arguments)."""
 
     enable: bool = knob(False, "create a tiny random model at model.path when that directory does not exist (CPU demo)")
-    arch: Literal["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"] = knob("llama", "model family")
+    arch: TinyArch = knob("llama", "model family")
     tokenizer: Literal["digits", "bpe"] = knob("digits", "digits: one token per character of 0-9 + - * = ; : ? # space; bpe: small byte-level BPE")
     hidden: int = knob(64, "hidden size", ge=1)
     intermediate: int = knob(256, "MLP hidden size", ge=1)

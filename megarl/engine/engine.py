@@ -5,6 +5,10 @@ configured differently; the trainer composes them. Loss normalisation is global:
 receives the totals of the whole mini-batch (all micro-batches, all DP ranks) and returns its
 micro-batch's *contribution*, so summing gradients over micro-batches and DP ranks gives exactly
 the gradient of the one-batch loss, whatever the split (see `megarl.algorithms.agg_loss`).
+It is long because `MegatronEngine` is one object over state its methods share (the model chunks,
+DDP buffers, optimizer and scheduler): building, forward, train step, LR scaling, offload and
+checkpoint calls; what needs none of that state already lives beside it (forward.py,
+micro_batches.py, offload.py, checkpointing.py).
 """
 from __future__ import annotations
 
@@ -158,6 +162,11 @@ class MegatronEngine:
     @property
     def device(self) -> torch.device:
         return next(self.module.parameters()).device
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        """The dtype the weights are kept in (model.dtype): the rollout engine is built in it."""
+        return self.module.config.params_dtype
 
     @property
     def lr(self) -> float:

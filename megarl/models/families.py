@@ -23,6 +23,18 @@ from pathlib import Path
 from megarl.layout.model import padded_vocab
 
 
+# The one list of model families, in the three groups the rest of megarl and its tests enumerate:
+# make_tiny_model (and model.make_tiny.arch), the config's checks of tiny MoE models, the tests'
+# tiny-model fixtures (tests/conftest.py) and docs/models.md's table (tests/foundation checks it).
+# `FAMILIES` below maps each name to its config.json reader.
+DENSE_FAMILIES = ("llama", "qwen2", "qwen3")
+MOE_FAMILIES = ("mixtral", "qwen3_moe")  # softmax top-k routing, GQA
+# the 355B-671B class: sigmoid group-limited routing, shared experts, dense first layers, MTP layers
+# (deepseek_v3: multi-latent attention and YaRN; glm4_moe: partial rotary)
+LARGE_MOE_FAMILIES = ("deepseek_v3", "glm4_moe")
+FAMILY_NAMES = DENSE_FAMILIES + MOE_FAMILIES + LARGE_MOE_FAMILIES
+
+
 class UnsupportedModelError(ValueError):
     pass
 
@@ -340,6 +352,7 @@ FAMILIES = {
     "deepseek_v3": _spec_deepseek_v3,  # also Kimi-K2 (same architecture)
     "glm4_moe": _spec_glm4_moe,
 }
+assert tuple(FAMILIES) == FAMILY_NAMES, "FAMILIES and FAMILY_NAMES list the same families, in one order"
 
 
 def spec_from_hf_config(cfg: dict) -> ModelSpec:

@@ -2,7 +2,7 @@
 by the model builder's parser (`megarl.models.families.spec_from_hf_config`: one reading of a
 config.json for the trainer and the planner).
 
-Covers megarl's families (llama, qwen2, qwen3, mixtral, qwen3_moe) and the 355B-671B MoE class
+Covers megarl's families (`megarl.models.families.FAMILY_NAMES`), among them the 355B-671B MoE class
 megarl does not train yet: DeepSeek-V3 (`deepseek_v3`: multi-latent attention, shared experts,
 dense first layers, an MTP layer) and GLM-4.5 (`glm4_moe`). Tensors are listed the way
 Megatron-Core holds them (fused QKV, fused gate/up fc1), each tagged with how tensor parallelism

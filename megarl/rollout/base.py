@@ -117,6 +117,10 @@ class RolloutEngine(Protocol):
     (KV cache back), `generate` (any number of times), `release_memory` (before training).
     """
 
+    # MoE routing replay: set True and each result carries `routed_experts`. Engines that cannot
+    # record keep False (config validation refuses actor.routing_replay with them).
+    record_routes: bool
+
     def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
         """len(requests) * sampling.n results, prompt-major: result i*n + j is sample j of request i."""
         ...

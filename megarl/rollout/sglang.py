@@ -142,6 +142,8 @@ class SGLangRolloutEngine:
     global ranks, consecutive, the owner first.
     """
 
+    record_routes = False  # no routing replay from this engine yet (docs/moe_routing.md): validation refuses it
+
     def __init__(self, config: SGLangConfig, *, group, group_ranks: Sequence[int]):
         group_ranks = list(group_ranks)
         if len(group_ranks) != config.tp_size or group_ranks != list(range(group_ranks[0], group_ranks[0] + config.tp_size)):

@@ -236,6 +236,8 @@ def _pop_records(tags: list[str | None]) -> dict[str, dict[int, float] | None]:
 class VLLMRolloutEngine:
     """RolloutEngine over vLLM's in-process LLM; construct on every rank at the same point."""
 
+    record_routes = False  # no routing replay from this engine yet (docs/moe_routing.md): validation refuses it
+
     def __init__(self, config: VLLMConfig):
         vllm = import_vllm()
         for var in ("RANK", "LOCAL_RANK"):

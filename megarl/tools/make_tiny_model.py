@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe")
+from megarl.models.families import FAMILY_NAMES
+
+ARCHS = FAMILY_NAMES  # every family megarl builds (megarl.models.families)
 DIGITS_ALPHABET = list("0123456789+-*=;:?# ")
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 

@@ -43,6 +43,8 @@ def test_reward_collapse_halves_lr_and_rolls_back_once_armed():
 def test_guard_state_round_trips():
     guards = Guards(GuardsConfig(reward_collapse_fraction=0.5))
     guards.after_update(0.7, losses_finite=False)
+    # the first finite score starts the EMA; one non-finite step starts the streak (nan_skip_and_restore is on)
+    assert guards.state_dict() == {"score_ema": 0.7, "steps_seen": 1, "nan_streak": 1}
     other = Guards(GuardsConfig(reward_collapse_fraction=0.5))
-    other.state.load_state_dict(guards.state.state_dict())
+    other.load_state_dict(guards.state_dict())
     assert other.state == guards.state

@@ -1,0 +1,295 @@
+"""The run's life around a `Trainer`: everything before its first step and after its last.
+
+    run = Run.open(config_path, overrides)  # config checked, process groups, run-directory lock,
+                                            # demo data and tiny model, models named by hub id
+    trainer = run.build_trainer()           # the Trainer; where it resumes, what changed in the config
+                                            # since, abandoned checkpoints aside, config.yaml, segment record
+    run.train(trainer)                      # the tracker, the preemption watch and the heartbeat around
+                                            # Trainer.train
+    run.close()                             # process groups down, the lock released
+
+This is the one module that takes the run-directory lock and decides where a run resumes
+(tests/docs/test_house_rules.py checks that no other module does). Every refusal is printed once,
+in one line, by rank 0 (by the first rank while no process group exists yet), then `Refused` is
+raised on every rank: launch/ppo.py exits 2.
+
+Imports are staged on purpose: the warnings filter goes on before Megatron loads, and the config is
+checked (exit 2 within about a second) before torch.distributed, Megatron and the trainer are
+imported, so the heavy imports sit inside the methods that need them.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import NoReturn
+
+
+class Refused(Exception):
+    """The run cannot start or go on; one rank has printed why, in one line (exit code 2)."""
+
+
+def check_config(config_path: str | None, overrides: list[str], world_size: int):
+    """The config loaded and checked before any process group exists -> (cfg, sizes); Refused on a mistake."""
+    from megarl.config import ConfigError, check_inputs, load_config, validate
+
+    first_rank = os.environ.get("RANK", "0") == "0"  # under torchrun every rank checks: one prints
+    try:
+        cfg = load_config(config_path, overrides)
+        sizes = validate(cfg, world_size)
+        check_inputs(cfg, overrides)
+        # colocated vLLM/SGLang on CUDA: will the engine's budget fit beside the training state from
+        # step 2 on? Decides the offloads left null (megarl/config/memory.py)
+        from megarl.config import memory
+
+        cfg, memory_note = memory.check_colocated_memory(cfg, world_size)
+        if memory_note and first_rank:
+            print(memory_note, flush=True)
+    except ConfigError as err:
+        if first_rank:
+            print(f"config error: {err}", file=sys.stderr, flush=True)
+        else:
+            # torchrun stops the remaining workers as soon as one exits: were another rank to exit
+            # first, rank 0 could be killed before printing. (No process group exists yet to wait on.)
+            time.sleep(3)
+        raise Refused(str(err)) from None
+    return cfg, sizes
+
+
+def prepare_inputs(cfg, user_files=()) -> None:
+    """What the demo needs, created by the caller (rank 0) when missing: the tiny model and the dataset."""
+    from megarl.data.prepare import prepare_if_missing
+
+    if cfg.model.make_tiny.enable and not os.path.isdir(cfg.model.path):
+        from megarl.tools.make_tiny_model import make_tiny_model
+
+        options = asdict(cfg.model.make_tiny)
+        options.pop("enable")
+        arch, seed = options.pop("arch"), options.pop("seed")
+        make_tiny_model(arch, cfg.model.path, seed=seed, **options)
+        print(f"created a tiny random {arch} model at {cfg.model.path}", flush=True)
+    if prepare_if_missing(cfg.data, user_files):
+        print(f"prepared {cfg.data.auto_prepare} data at {cfg.data.train_files[0]}", flush=True)
+
+
+class Run:
+    """One segment of a run (a process lifetime) in trainer.run_dir; collective: every rank calls each method."""
+
+    def __init__(self, cfg, sizes, overrides: list[str], dims):
+        self.cfg, self.sizes, self.overrides, self.dims = cfg, sizes, list(overrides), dims
+        self.rank = dims.rank
+        self.run_dir = Path(cfg.trainer.run_dir)
+        self.lock = None  # rank 0's RunDirLock, held until close() or the process ends (kill -9 included)
+        self.snapshots: dict = {}  # config key -> hub snapshot, for models named by hub id
+        self.records: dict = {}  # flat config plus the hub commits: the tracker's params, the segment record
+        self.start: Path | None = None  # the checkpoint this segment resumed from
+
+    # --- before the trainer -------------------------------------------------------------------------
+    @classmethod
+    def open(cls, config_path: str | None, overrides: list[str]) -> "Run":
+        """Config check (before any process group), process groups, lock, demo inputs, hub models."""
+        from megarl.platform import quiet_known_warnings
+
+        quiet_known_warnings()
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        cfg, sizes = check_config(config_path, overrides, world_size)
+
+        from megarl.parallel import ParallelDims
+
+        layout = cfg.parallel
+        dims = ParallelDims(world_size=world_size, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, etp=layout.etp,
+                            vpp=layout.vpp, first_stage_layers=layout.first_stage_layers,
+                            last_stage_layers=layout.last_stage_layers)
+        dims.initialize(seed=cfg.trainer.seed)
+        run = cls(cfg, sizes, overrides, dims)
+        run._lock()
+        run._prepare()
+        run._fetch_models()
+        return run
+
+    def _fail(self, problem: str | None) -> None:
+        """Every rank learns rank 0's verdict; rank 0 prints it once; Refused on every rank when there is one."""
+        import torch.distributed as dist
+
+        verdict = [problem]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None:
+            if self.rank == 0:
+                print(f"error: {verdict[0]}", file=sys.stderr)
+            raise Refused(verdict[0])
+
+    def _refuse(self, err: Exception) -> NoReturn:
+        """An error every rank raised together: rank 0 prints it; Refused on every rank."""
+        if self.rank == 0:
+            print(f"error: {err}", file=sys.stderr)
+        raise Refused(str(err)) from None
+
+    def _lock(self) -> None:
+        """One run per run_dir: rank 0 holds the lock until this process ends."""
+        from megarl.checkpoint_io import RunDirLock, RunDirLocked
+
+        problem = None
+        if self.rank == 0:
+            try:
+                self.lock = RunDirLock(self.run_dir).acquire()
+            except RunDirLocked as err:
+                problem = str(err)
+            except OSError as err:
+                problem = (f"trainer.run_dir {self.run_dir} cannot be written ({err.strerror or err}): check that the "
+                           f"filesystem is writable and not full, or choose another trainer.run_dir")
+        self._fail(problem)
+
+    def _prepare(self) -> None:
+        """Rank 0 creates the demo's tiny model and data when missing (a path typed on the command
+        line is never generated); the others wait for its verdict."""
+        from megarl.data.prepare import user_data_files
+
+        problem = None
+        if self.rank == 0:
+            try:
+                prepare_inputs(self.cfg, user_data_files(self.cfg.data, self.overrides))
+            except (ValueError, OSError) as err:
+                problem = str(err)
+        self._fail(problem)
+
+    def _fetch_models(self) -> None:
+        """Models named by hub id: fetched once per node (a collective), then the layout check that
+        config validation had to skip while model.path's config.json was not yet here."""
+        from megarl import hub
+        from megarl.config import ConfigError, flatten
+        from megarl.config.inputs import check_model_layout, model_refs
+
+        problem = None
+        if model_refs(self.cfg):
+            self.snapshots, problem = hub.resolve_on_each_node(model_refs(self.cfg))
+            if problem is None and self.rank == 0:
+                try:
+                    check_model_layout(self.cfg, {key: snap.path for key, snap in self.snapshots.items()})
+                except ConfigError as err:
+                    problem = str(err)
+        self._fail(problem)
+        self.records = {**flatten(self.cfg), **hub.recorded(self.snapshots)}  # ids as given, and their commits
+        if self.rank == 0:
+            for key, snap in self.snapshots.items():
+                print(f"{key}: {snap.repo_id} at commit {snap.revision} ({snap.path})", flush=True)
+            print(f"megarl: {self.dims.describe()} | {self.sizes}", flush=True)
+
+    # --- the trainer and where it resumes -----------------------------------------------------------
+    def build_trainer(self):
+        """The Trainer, resumed from the checkpoint trainer.resume names (auto: the newest complete one)
+        after the config-change check; config.yaml and this segment's record written."""
+        from megarl import checkpoint, hub
+        from megarl.checkpoint_io import abandon_newer
+        from megarl.config import save_resolved
+        from megarl.config.inputs import with_snapshots
+        from megarl.resume_changes import ResumeChangeError, check_resume, record_segment
+        from megarl.trainer import Trainer
+
+        t = self.cfg.trainer
+        world_size = self.dims.world_size
+        try:
+            trainer = Trainer(with_snapshots(self.cfg, self.snapshots), self.dims)
+            self.start = self._resume_point()
+        except (ValueError, FileNotFoundError, ImportError) as err:  # bad data / model files, missing engine
+            self._refuse(err)
+        start, problem, changes = self.start, None, []
+        if self.rank == 0:
+            try:  # a changed config on resume is shown, and refused where it breaks exact resume, before loading
+                if start is not None:
+                    changes = check_resume(self.run_dir, self.records, world_size, t.resume_allow_changes)
+            except ResumeChangeError as err:
+                problem = str(err)
+        self._fail(problem)
+        try:
+            if start is not None:
+                trainer.resume(start)
+        except (ValueError, FileNotFoundError) as err:  # checkpoint of another model, release or optimizer setup
+            self._refuse(err)
+        if self.rank == 0:
+            if start is not None:
+                print(f"resumed from {start} (step {trainer.step})", flush=True)
+                for line in changes:
+                    print(f"  changed since the last segment: {line}", flush=True)
+                # resuming from an older checkpoint of this run: its newer ones belong to a trajectory
+                # that this segment abandons (moved aside, so that resume=auto never picks them up)
+                root = checkpoint.checkpoints_root(self.run_dir)
+                if t.resume not in ("auto", "never") and Path(start).resolve().parent == root.resolve():
+                    for moved in abandon_newer(root, trainer.step):
+                        print(f"  newer checkpoint of the abandoned trajectory moved to {moved}", flush=True)
+            save_resolved(self.cfg, self.run_dir / "config.yaml", footer=hub.describe(self.snapshots))
+            record_segment(self.run_dir, self.records, (self.run_dir / "config.yaml").read_text(), trainer.step + 1,
+                           world_size)
+        return trainer
+
+    def _resume_point(self) -> Path | None:
+        """trainer.resume: 'auto' -> the newest complete checkpoint (or None), 'never' -> None, else
+        that path. Collective under 'auto': rank 0 first clears what a killed save left behind."""
+        import torch.distributed as dist
+
+        from megarl.checkpoint import checkpoints_root, latest_checkpoint
+        from megarl.checkpoint_io import remove_leftovers
+
+        resume = self.cfg.trainer.resume
+        if resume == "never":
+            return None
+        if resume == "auto":
+            if self.rank == 0:
+                remove_leftovers(checkpoints_root(self.run_dir))  # temp dirs of a save that was killed
+            dist.barrier()
+            return latest_checkpoint(self.run_dir)
+        return Path(resume)
+
+    # --- the loop's surroundings --------------------------------------------------------------------
+    def train(self, trainer) -> None:
+        """Trainer.train with rank 0's loggers, the preemption watch and the heartbeat; a run ended by
+        a signal raises Preempted (exit 75) after its checkpoint, past this method."""
+        from megarl.dynamic_sampling import NotEnoughGroups
+        from megarl.rewards import RewardError
+        from megarl.tracking import Tracker
+
+        problem, tracker = None, None
+        try:  # rank 0's loggers: a missing package or a busy metrics port is one line, exit 2, on every rank
+            tracker = Tracker(self.cfg.tracking, self.run_dir, rank=self.rank, total_steps=self.cfg.trainer.total_steps,
+                              start_step=trainer.step + 1, resume=self.start is not None, params=self.records,
+                              log_every=self.cfg.trainer.log_every)
+        except (ValueError, ImportError) as err:
+            problem = str(err)
+        self._fail(problem)
+        status = "FAILED"
+        try:
+            with self._watched() as watch:
+                trainer.train(tracker, watch)
+            status = "FINISHED"
+        except (RewardError, NotEnoughGroups) as err:  # raised on every rank together (both checks are collective)
+            self._refuse(err)
+        finally:
+            tracker.close(status)
+
+    @contextlib.contextmanager
+    def _watched(self):
+        """SIGTERM / SIGUSR1 caught for a stop at a step boundary (megarl/preemption.py), and this rank's
+        heartbeat with its watchdog (megarl/heartbeat.py), for the duration of the loop."""
+        from megarl import heartbeat
+        from megarl.preemption import PreemptionWatch
+
+        watch = PreemptionWatch().install()
+        beat = heartbeat.start_for_world(self.cfg.trainer.collective_timeout_s, self.rank, self.dims.world_size)
+        try:
+            yield watch
+        finally:
+            watch.uninstall()
+            if beat is not None:
+                beat.stop()
+
+    def close(self) -> None:
+        """After a finished run: the process groups down (collective), the run-directory lock released."""
+        import torch.distributed as dist
+
+        dist.barrier()
+        self.dims.destroy()
+        dist.destroy_process_group()
+        if self.lock is not None:
+            self.lock.release()
