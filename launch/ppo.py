@@ -92,6 +92,18 @@ def main(argv=None) -> int:
     from megarl.tracking import Tracker
     from megarl.trainer import Trainer
 
+    separate = None
+    if cfg.rollout.placement == "separate":  # the last rollout.num_ranks ranks only generate (megarl/placement.py)
+        from megarl import placement
+
+        separate = placement.start(cfg, world_size)
+        if separate.placement.is_rollout(dist.get_rank()):
+            from megarl.async_rollout.server import run_rollout_rank
+
+            code = run_rollout_rank(cfg, separate, dist.get_rank())
+            dist.destroy_process_group()
+            return code
+        world_size = separate.placement.train_size
     layout = cfg.parallel
     dims = ParallelDims(world_size=world_size, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, etp=layout.etp,
                         vpp=layout.vpp, first_stage_layers=layout.first_stage_layers,
@@ -146,7 +158,7 @@ def main(argv=None) -> int:
         print(f"megarl: {dims.describe()} | {sizes}", flush=True)
 
     try:
-        trainer = Trainer(with_snapshots(cfg, snapshots), dims)
+        trainer = Trainer(with_snapshots(cfg, snapshots), dims, separate=separate)
         start = trainer.resume_point()
     except (ValueError, FileNotFoundError, ImportError) as err:  # bad data / model files, missing engine
         if rank == 0:

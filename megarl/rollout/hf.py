@@ -46,6 +46,11 @@ class HFRolloutEngine:
         self._released = False
         # MoE routing replay: set True to return each sample's experts (RolloutResult.routed_experts)
         self.record_routes = False
+        # Asynchronous training (megarl.async_rollout): the policy version of the loaded weights,
+        # recorded per token (RolloutResult.versions), and a hook run between decode steps that may
+        # load newer weights mid-request (partial rollout: tokens, log-probs and KV cache are kept).
+        self.version = 0
+        self.between_tokens = None
         # transformers >= 5.2x names the KV cache argument `cache`; older releases `past_key_values`
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
@@ -116,7 +121,10 @@ class HFRolloutEngine:
         lps: list[list[float]] = [[] for _ in range(B)]
         scaled_lps: list[list[float]] = [[] for _ in range(B)]
         finish: list[str | None] = [None] * B
+        versions: list[list[int]] = [[] for _ in range(B)]
         for _ in range(sampling.max_new_tokens):
+            if self.between_tokens is not None:
+                self.between_tokens()
             processed, scaled = process_logits(out.logits[:, -1, :], sampling.temperature, sampling.top_k, sampling.top_p,
                                                sampling.banned_token_ids)
             live = [g if finish[i] is None else None for i, g in enumerate(generators)]
@@ -130,6 +138,7 @@ class HFRolloutEngine:
                 tokens[i].append(tok_list[i])
                 lps[i].append(tok_lp[i])
                 scaled_lps[i].append(tok_slp[i])
+                versions[i].append(self.version)
                 if tok_list[i] in stop:
                     finish[i] = "stop"
                 elif len(tokens[i]) == sampling.max_new_tokens:
@@ -142,7 +151,8 @@ class HFRolloutEngine:
                              use_cache=True, **{self._cache_kw: out[self._cache_kw]})
             next_pos = next_pos + 1
         return [
-            RolloutResult(s.request.prompt_index, s.sample_index, tokens[i], lps[i], finish[i] or "length", scaled_lps[i])
+            RolloutResult(s.request.prompt_index, s.sample_index, tokens[i], lps[i], finish[i] or "length", scaled_lps[i],
+                          versions=versions[i])
             for i, s in enumerate(specs)
         ]
 
