@@ -122,9 +122,8 @@ class HFRolloutEngine:
         scaled_lps: list[list[float]] = [[] for _ in range(B)]
         finish: list[str | None] = [None] * B
         versions: list[list[int]] = [[] for _ in range(B)]
+        logits_version = self.version  # the weights that computed out.logits
         for _ in range(sampling.max_new_tokens):
-            if self.between_tokens is not None:
-                self.between_tokens()
             processed, scaled = process_logits(out.logits[:, -1, :], sampling.temperature, sampling.top_k, sampling.top_p,
                                                sampling.banned_token_ids)
             live = [g if finish[i] is None else None for i, g in enumerate(generators)]
@@ -138,7 +137,7 @@ class HFRolloutEngine:
                 tokens[i].append(tok_list[i])
                 lps[i].append(tok_lp[i])
                 scaled_lps[i].append(tok_slp[i])
-                versions[i].append(self.version)
+                versions[i].append(logits_version)
                 if tok_list[i] in stop:
                     finish[i] = "stop"
                 elif len(tokens[i]) == sampling.max_new_tokens:
@@ -146,6 +145,9 @@ class HFRolloutEngine:
             if all(f is not None for f in finish):
                 break
             # finished rows keep decoding (their tokens are discarded): rows never interact
+            if self.between_tokens is not None:  # may load newer weights: the next logits are theirs
+                self.between_tokens()
+                logits_version = self.version
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], dim=-1)
             out = self.model(input_ids=tok[:, None], attention_mask=attention_mask, position_ids=next_pos,
                              use_cache=True, **{self._cache_kw: out[self._cache_kw]})
