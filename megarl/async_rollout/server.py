@@ -127,7 +127,7 @@ class RolloutServer:
             start = time.perf_counter()
             results = self.engine.generate(item.requests, item.sampling) if item.requests else []
             self.busy_s += time.perf_counter() - start
-            info = {"sync_bytes": self.sync_bytes, "busy_s": self.busy_s, "wall_s": time.perf_counter() - self.started,
+            info = {"sync_bytes": self.sync_bytes, "shard_bytes": self.hybrid.plan.needed_bytes[self.rank], "busy_s": self.busy_s, "wall_s": time.perf_counter() - self.started,
                     "rank": self.rank}
             send_object(("result", item.request_id, results, info), item.client, self.groups.up)
         receiver.join(timeout=5)

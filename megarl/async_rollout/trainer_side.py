@@ -37,6 +37,7 @@ def take_step(schedule: AsyncSchedule, trainer, sampling) -> tuple[list, dict[st
     local.max("wait_s", torch.tensor(schedule.remote.wait_s - wait_before))
     info = schedule.remote.server_info
     local.max("sync_bytes", torch.tensor(float(info.get("sync_bytes", 0))))
+    local.max("shard_bytes", torch.tensor(float(info.get("shard_bytes", 0))))
     local.max("rollout_busy", torch.tensor(info.get("busy_s", 0.0) / max(info.get("wall_s", 0.0), 1e-9)))
     out = trainer.global_batch.reduce(local)
     samples_total = max(out["samples"], 1.0)
@@ -48,4 +49,5 @@ def take_step(schedule: AsyncSchedule, trainer, sampling) -> tuple[list, dict[st
         "async/trainer_wait_s": out["wait_s"],  # this step's wait for samples (the trainer's idle time)
         "async/rollout_busy_fraction": out["rollout_busy"],  # of the rollout rank's wall time so far
         "async/rollout_sync_bytes": out["sync_bytes"],  # received by one rollout rank in the last weight stream
+        "async/rollout_shard_bytes": out["shard_bytes"],  # its rollout shard: the bound (sync = shard + alignment)
     }
