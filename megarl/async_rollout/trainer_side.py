@@ -38,6 +38,7 @@ def take_step(schedule: AsyncSchedule, trainer, sampling) -> tuple[list, dict[st
     info = schedule.remote.server_info
     local.max("sync_bytes", torch.tensor(float(info.get("sync_bytes", 0))))
     local.max("shard_bytes", torch.tensor(float(info.get("shard_bytes", 0))))
+    local.max("busy_s", torch.tensor(float(info.get("busy_s", 0.0))))
     local.max("rollout_busy", torch.tensor(info.get("busy_s", 0.0) / max(info.get("wall_s", 0.0), 1e-9)))
     out = trainer.global_batch.reduce(local)
     samples_total = max(out["samples"], 1.0)
@@ -48,6 +49,7 @@ def take_step(schedule: AsyncSchedule, trainer, sampling) -> tuple[list, dict[st
         "async/partial_fraction": out["spanning"] / samples_total,
         "async/trainer_wait_s": out["wait_s"],  # this step's wait for samples (the trainer's idle time)
         "async/rollout_busy_fraction": out["rollout_busy"],  # of the rollout rank's wall time so far
+        "async/rollout_busy_s": out["busy_s"],  # the rollout rank's generating seconds so far (cumulative)
         "async/rollout_sync_bytes": out["sync_bytes"],  # received by one rollout rank in the last weight stream
         "async/rollout_shard_bytes": out["shard_bytes"],  # its rollout shard: the bound (sync = shard + alignment)
     }
