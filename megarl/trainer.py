@@ -119,7 +119,7 @@ class Trainer:
     def __init__(self, cfg: Config, dims: ParallelDims, log=print, separate=None):
         """separate: the world split of rollout.placement=separate (megarl.placement.WorldGroups);
         the rollout then runs on the rollout ranks (megarl.async_rollout)."""
-        self.cfg, self.dims, self.log = cfg, dims, log
+        self.cfg, self.dims, self.log, self.separate = cfg, dims, log, separate
         self.global_batch = GlobalBatch(dims)
         t = cfg.trainer
         self.profiler = StepProfiler(t.profiler, t.profile_steps, t.run_dir, dims.rank)  # refuses nvtx without CUDA first
@@ -212,7 +212,7 @@ class Trainer:
         the tracker, checkpoints. Collective: every rank calls it."""
         run = self.cfg.trainer
         watch = PreemptionWatch().install()  # SIGTERM / SIGUSR1: stop after this step (megarl/preemption.py)
-        beat = heartbeat.start_for_world(run.collective_timeout_s, self.dims.rank, self.dims.world_size)
+        beat = heartbeat.start_for_world(run.collective_timeout_s, self.dims.rank, self.dims.world_size, separate=self.separate)
         try:
             while self.step < run.total_steps:  # (separate placement: the rollout ranks stop after the loop)
                 self.step += 1

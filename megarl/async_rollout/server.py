@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megarl import heartbeat
 from megarl.rollout.base import RolloutRequest, SamplingParams
 
 
@@ -118,12 +119,14 @@ class RolloutServer:
         receiver = threading.Thread(target=self._receive, name="megarl-rollout-recv", daemon=True)
         receiver.start()
         while True:
+            heartbeat.enter("wait")
             item = self.queue.get()
             if item is None:
                 break
             self._wait_for(item.floor)
             if self.error is not None:
                 break
+            heartbeat.enter("generate")
             start = time.perf_counter()
             results = self.engine.generate(item.requests, item.sampling) if item.requests else []
             self.busy_s += time.perf_counter() - start
@@ -156,5 +159,9 @@ def run_rollout_rank(cfg, groups, rank: int, log=print) -> int:
                           max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens, train_tp=cfg.parallel.tp, log=None)
     hybrid.convert = setup.convert
     server = RolloutServer(setup.engine, hybrid, groups, rank, cfg.async_.partial_rollout, log=log)
-    server.serve()
+    beat = heartbeat.start_for_world(cfg.trainer.collective_timeout_s, rank, placement.world_size, separate=groups)
+    try:
+        server.serve()
+    finally:
+        beat.stop()
     return 0
