@@ -260,9 +260,10 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """The run state beside the engines' weights and optimizers (trainer.pt of a checkpoint)."""
-        return {"step": self.step, "kl_ctrl": self.kl_ctrl.state_dict(), "data": self.data.state_dict(),
-                "guards": self.guards.state.state_dict(),
-                **({"async": self.schedule.state_dict()} if self.schedule is not None else {})}
+        data = self.data.state_dict()  # separate placement: before the prompts in flight (megarl.async_rollout)
+        return {"step": self.step, "kl_ctrl": self.kl_ctrl.state_dict(),
+                "data": self.schedule.data_state(data) if self.schedule is not None else data,
+                "guards": self.guards.state.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         # Checkpoints written before this version also hold "lr_scale", which nothing read: ignored.
@@ -270,8 +271,6 @@ class Trainer:
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.data.load_state_dict(state["data"])
         self.guards.state.load_state_dict(state["guards"])
-        if self.schedule is not None and "async" in state:
-            self.schedule.load_state_dict(state["async"], self.step)
 
     # ------------------------------------------------------------------------------------------
     def ppo_step(self) -> StepResult:

@@ -95,6 +95,7 @@ class AsyncSchedule:
     max_staleness: int
     total_steps: int
     in_flight: dict[int, _InFlight] = field(default_factory=dict)
+    data_states: dict[int, dict] = field(default_factory=dict)
 
     def _submit(self, prompts, step: int, sampling: SamplingParams, floor: int) -> int:
         d = self.dispatch
@@ -107,10 +108,13 @@ class AsyncSchedule:
         mine = self.remote.collect(request_id)
         return [r for part in _all_gather_object(mine, d.mp_size, d.mp_group) for r in part]
 
-    def prefetch(self, step: int, next_prompts, sampling: SamplingParams) -> None:
-        """Submit every step up to step + K not yet in flight (prompts in data order)."""
+    def prefetch(self, step: int, next_prompts, sampling: SamplingParams, data_state=None) -> None:
+        """Submit every step up to step + K not yet in flight (prompts in data order). data_state:
+        the dataset's position, recorded before each step's prompts are drawn (checkpoints)."""
         for t in range(step, min(step + self.max_staleness, self.total_steps) + 1):
             if t not in self.in_flight:
+                if data_state is not None:
+                    self.data_states[t] = data_state()
                 self.in_flight[t] = _InFlight(next_prompts(), None, trained_version(step))
             flight = self.in_flight[t]
             if flight.request_id is None:
@@ -119,6 +123,7 @@ class AsyncSchedule:
     def take(self, step: int, sampling: SamplingParams, to_samples):
         """Step `step`'s samples, none older than K, and the step's `async/` statistics (this rank's)."""
         flight = self.in_flight.pop(step)
+        self.data_states.pop(step, None)
         samples = to_samples(flight.prompts, self._collect(flight.request_id), sampling)
         stats = StalenessStats()
         _, dropped = split_fresh(samples, step, self.max_staleness)
@@ -135,10 +140,9 @@ class AsyncSchedule:
         return samples, stats
 
     # --- checkpoint -------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """The prompts in flight by step: a resume submits them again (same data order; their
-        samples are generated under the resumed weights, so none is lost or trained twice)."""
-        return {"in_flight": {t: f.prompts for t, f in self.in_flight.items()}}
-
-    def load_state_dict(self, state: dict, step: int) -> None:
-        self.in_flight = {t: _InFlight(prompts, None, trained_version(step + 1)) for t, prompts in state["in_flight"].items()}
+    def data_state(self, current: dict) -> dict:
+        """The dataset position a checkpoint records: before the prompts of the first step in
+        flight. A resume draws those steps' prompts again, in the same order, and generates them
+        under the resumed weights: no prompt is lost or trained twice. (The dataset's position is
+        the same on every rank, so this holds for every DP rank's share.)"""
+        return self.data_states[min(self.in_flight)] if self.in_flight else current

@@ -25,7 +25,7 @@ def take_step(schedule: AsyncSchedule, trainer, sampling) -> tuple[list, dict[st
     """This DP rank's samples of trainer.step (requests for the next K steps submitted first) and
     the step's `async/` metrics over the global batch (one reduction)."""
     step = trainer.step
-    schedule.prefetch(step, trainer.data.next_step, sampling)
+    schedule.prefetch(step, trainer.data.next_step, sampling, data_state=trainer.data.state_dict)
     wait_before = schedule.remote.wait_s
     samples, stats = schedule.take(step, sampling, trainer._to_samples)
     local = LocalStats()

@@ -91,16 +91,23 @@ def test_schedule_keeps_k_steps_in_flight_and_refills_stale_groups():
     assert remote.submitted[-1][:2] == ((3, 3), 2)  # the same prompts, same step (same seeds), floor 2
 
 
-def test_schedule_state_resubmits_in_flight_prompts_in_data_order():
+def test_checkpoint_data_position_is_before_the_steps_in_flight():
     remote = FakeRemote()
     sched = AsyncSchedule(remote, DispatchGroups(None, 0, 1, None, 0, 1), max_staleness=2, total_steps=10)
-    counter = iter(range(100))
-    sched.prefetch(1, lambda: [_Row(next(counter))], SamplingParams())
+    position = {"drawn": 0}
+
+    def next_prompts():
+        position["drawn"] += 1
+        return [_Row(position["drawn"] - 1)]
+
+    sched.prefetch(1, next_prompts, SamplingParams(), data_state=lambda: dict(position))
     sched.take(1, SamplingParams(), _to_samples)
-    state = sched.state_dict()
-    assert {t: [p.global_index for p in ps] for t, ps in state["in_flight"].items()} == {2: [1], 3: [2]}
-    resumed = AsyncSchedule(FakeRemote(), DispatchGroups(None, 0, 1, None, 0, 1), max_staleness=2, total_steps=10)
-    resumed.load_state_dict(state, step=1)
-    later = iter(range(3, 100))
-    resumed.prefetch(2, lambda: [_Row(next(later))], SamplingParams())
-    assert [resumed.in_flight[t].prompts[0].global_index for t in (2, 3, 4)] == [1, 2, 3]  # none lost, none repeated
+    assert position == {"drawn": 3} and sorted(sched.in_flight) == [2, 3]
+    # a checkpoint after step 1 resumes drawing at step 2's prompts: steps 2 and 3 are drawn again
+    assert sched.data_state(dict(position)) == {"drawn": 1}
+    sched.prefetch(2, next_prompts, SamplingParams(), data_state=lambda: dict(position))
+    sched.take(2, SamplingParams(), _to_samples)
+    sched.take(3, SamplingParams(), _to_samples)
+    assert sorted(sched.in_flight) == [4] and sched.data_state(dict(position)) == {"drawn": 3}
+    sched.take(4, SamplingParams(), _to_samples)
+    assert sched.data_state(dict(position)) == dict(position)  # nothing in flight: the dataset's own position
