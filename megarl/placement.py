@@ -5,8 +5,8 @@ Separate placement splits the world once, right after `init_process_group`: the 
 the first ones, so a training rank's rank in its own group equals its global rank, and the
 training group becomes their default process group. Megatron, the engines and every
 `group=None` collective of the trainer then run on the training ranks alone, unchanged. Traffic
-between the two groups (commands, prompts, samples, the weight stream) runs on two process groups
-over the whole world, one per direction, so the rollout rank's receiving thread and its
+between the two groups runs on three process groups over the whole world (`WorldGroups`: commands
+and prompts, the weight stream, samples), so the rollout rank's receiving thread and its
 generating thread never share a group (docs/async_rl.md).
 """
 from __future__ import annotations
@@ -87,13 +87,15 @@ class Placement:
 
 @dataclass
 class WorldGroups:
-    """Process groups over the whole world after the split: `down` carries training -> rollout
-    traffic (commands, prompts, the weight stream), `up` rollout -> training (samples)."""
+    """Process groups over the whole world after the split: `ctrl` carries training -> rollout
+    commands and prompts (received from any rank), `down` the weight stream (received from named
+    ranks, so a command can never be taken for weight bytes), `up` rollout -> training samples."""
 
     placement: Placement
     world: object
     down: object
     up: object
+    ctrl: object
 
 
 def split_world(placement: Placement) -> WorldGroups:
@@ -110,10 +112,11 @@ def split_world(placement: Placement) -> WorldGroups:
         raise ValueError(f"Placement for {placement.world_size} ranks, torch.distributed has {dist.get_world_size()}")
     down = dist.new_group(list(range(placement.world_size)))
     up = dist.new_group(list(range(placement.world_size)))
+    ctrl = dist.new_group(list(range(placement.world_size)))
     train = dist.new_group(list(placement.train_ranks))
     if not placement.is_rollout(dist.get_rank()):
         c10d._world.default_pg = train
-    return WorldGroups(placement, world, down, up)
+    return WorldGroups(placement, world, down, up, ctrl)
 
 
 def start(cfg: Config, world_size: int) -> WorldGroups:

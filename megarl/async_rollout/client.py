@@ -38,7 +38,7 @@ class RemoteRollout:
     def load_weights(self, stream) -> None:
         if self.rank == 0:
             for r in self.placement.rollout_ranks:
-                send_object(("weights", self.pushing), r, self.groups.down)
+                send_object(("weights", self.pushing), r, self.groups.ctrl)
         for _ in stream:  # this rank's sends of the shared plan; a training rank loads nothing
             pass
         self.version = self.pushing
@@ -52,7 +52,7 @@ class RemoteRollout:
     # --- prompts and results ----------------------------------------------------------------------
     def submit(self, requests: list[RolloutRequest], sampling: SamplingParams, floor: int) -> int:
         request_id, self._next_id = self._next_id, self._next_id + 1
-        send_object(("generate", self.rank, request_id, list(requests), sampling, floor), self.server, self.groups.down)
+        send_object(("generate", self.rank, request_id, list(requests), sampling, floor), self.server, self.groups.ctrl)
         return request_id
 
     def collect(self, request_id: int) -> list[RolloutResult]:
@@ -69,7 +69,7 @@ class RemoteRollout:
     def stop(self) -> None:
         if self.rank == 0:
             for r in self.placement.rollout_ranks:
-                send_object(("stop",), r, self.groups.down)
+                send_object(("stop",), r, self.groups.ctrl)
 
     def close(self) -> None:
         self.stop()

@@ -2,8 +2,8 @@
 
 Two threads, each on a process group of its own (megarl.placement.WorldGroups), so they never
 interleave operations on one group:
-- the receiving thread reads commands from the training ranks on `down`: "weights" (then the
-  weight stream of the shared reshard plan, megarl.hybrid, into a staging copy: this rank's
+- the receiving thread reads commands from the training ranks on `ctrl`: "weights" (then the
+  weight stream, on `down` of the shared reshard plan, megarl.hybrid, into a staging copy: this rank's
   rollout shard and nothing else), "generate" (queued), "stop";
 - the main thread takes queued requests in order; before each it loads the newest staged weights
   (between requests), and with async.partial_rollout also between the tokens of a running request
@@ -80,7 +80,7 @@ class RolloutServer:
     def _receive(self) -> None:
         try:
             while True:
-                message = recv_object(None, self.groups.down)
+                message = recv_object(None, self.groups.ctrl)
                 kind = message[0]
                 if kind == "weights":
                     version = message[1]
