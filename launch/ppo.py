@@ -32,6 +32,8 @@ def main(argv=None) -> int:
 
     try:
         run = Run.open(args.config, args.overrides)  # config, process groups, run-dir lock, data, hub models
+        if run.serves_rollout:  # rollout.placement=separate: this rank only generates
+            return run.serve_rollout()
         trainer = run.build_trainer()  # resumed where trainer.resume says, config changes checked
         run.train(trainer)  # Trainer.train with the tracker, the preemption watch and the heartbeat
     except Refused:  # already said in one line

@@ -39,8 +39,13 @@ def enter(name: str, step: int | None = None) -> None:
 
 class Heartbeat:
     def __init__(self, store, rank: int, world_size: int, timeout_s: float, interval_s: float | None = None,
-                 on_stall=None, prefix: str = "megarl/heartbeat/"):
+                 on_stall=None, prefix: str = "megarl/heartbeat/", rollout_ranks: tuple[int, ...] = ()):
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, float(timeout_s)
+        # separate placement (megarl.placement): ranks that run the rollout server, another program
+        # whose phases do not line up with the trainer's; a training rank waiting in 'generate'
+        # names one stuck in its own 'generate' (its phase unchanged for the timeout) as stalled
+        self.rollout_ranks = tuple(rollout_ranks)
+        self._phase_seen: dict[int, tuple[object, float]] = {}
         self.interval_s = interval_s if interval_s is not None else min(10.0, max(0.5, self.timeout_s / 10))
         self.prefix = prefix
         self.on_stall = on_stall or _exit_with
@@ -123,6 +128,9 @@ class Heartbeat:
             quiet_s = now - max(since, started)
             if quiet_s >= self.timeout_s:
                 silent.append((rank, record, None))
+            elif rank in self.rollout_ranks:
+                if record is not None and self._rollout_stalled(rank, record, now):
+                    behind.append((rank, record, None))
             elif record is not None and record["seq"] < self.seq and now - self.phase_since >= self.timeout_s:
                 # a process that froze shortly before the timeout is both: say so
                 behind.append((rank, record, quiet_s if quiet_s >= 3 * self.interval_s else None))
@@ -135,6 +143,17 @@ class Heartbeat:
             parts.append("stalled: " + ", ".join(map(_describe, behind)))
         return (f"megarl: rank {self.rank} waited {now - self.phase_since:.0f} s in phase '{self.phase}' of step "
                 f"{self.step} (trainer.collective_timeout_s={self.timeout_s:g}); " + "; ".join(parts))
+
+
+    def _rollout_stalled(self, rank: int, record: dict, now: float) -> bool:
+        """A rollout rank stuck in one request while this rank has waited for samples as long."""
+        phase = (record["phase"], record["seq"])
+        last, since = self._phase_seen.get(rank, (None, now))
+        if phase != last:
+            self._phase_seen[rank] = (phase, now)
+            since = now
+        return (self.rank not in self.rollout_ranks and self.phase == "generate" and record["phase"] == "generate"
+                and now - self.phase_since >= self.timeout_s and now - since >= self.timeout_s)
 
 
 def _describe(item) -> str:
@@ -150,10 +169,18 @@ def _exit_with(message: str) -> None:
     os._exit(STALL_EXIT_CODE)
 
 
-def start_for_world(timeout_s: float, rank: int, world_size: int) -> Heartbeat | None:
-    """The heartbeat of this rank on the default process group's store; None for a single process."""
+def start_for_world(timeout_s: float, rank: int, world_size: int, separate=None) -> Heartbeat | None:
+    """The heartbeat of this rank on the default process group's store; None for a single process.
+    separate: the world split of separate placement (megarl.placement.WorldGroups): every rank of
+    the whole world, rollout ranks included, beats in the world's store."""
     import torch.distributed as dist
 
+    if separate is not None:
+        from torch.distributed.distributed_c10d import _world
+
+        placement = separate.placement
+        return Heartbeat(_world.pg_map[separate.world][1], rank, placement.world_size, timeout_s,
+                         rollout_ranks=placement.rollout_ranks).start()
     if world_size <= 1 or not dist.is_initialized():
         return None
     from torch.distributed.distributed_c10d import _get_default_store

@@ -78,9 +78,13 @@ def prepare_inputs(cfg, user_files=()) -> None:
 class Run:
     """One segment of a run (a process lifetime) in trainer.run_dir; collective: every rank calls each method."""
 
-    def __init__(self, cfg, sizes, overrides: list[str], dims):
-        self.cfg, self.sizes, self.overrides, self.dims = cfg, sizes, list(overrides), dims
-        self.rank = dims.rank
+    def __init__(self, cfg, sizes, overrides: list[str], dims, separate=None):
+        """dims: the training ranks' layout, None on a rank that only generates; separate: the world
+        split of rollout.placement=separate (megarl.placement.WorldGroups), None when colocated."""
+        import torch.distributed as dist
+
+        self.cfg, self.sizes, self.overrides, self.dims, self.separate = cfg, sizes, list(overrides), dims, separate
+        self.rank = dims.rank if dims is not None else dist.get_rank()
         self.run_dir = Path(cfg.trainer.run_dir)
         self.lock = None  # rank 0's RunDirLock, held until close() or the process ends (kill -9 included)
         self.snapshots: dict = {}  # config key -> hub snapshot, for models named by hub id
@@ -97,6 +101,16 @@ class Run:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         cfg, sizes = check_config(config_path, overrides, world_size)
 
+        separate = None
+        if cfg.rollout.placement == "separate":  # the last rollout.num_ranks ranks only generate (megarl/placement.py)
+            import torch.distributed as dist
+
+            from megarl import placement
+
+            separate = placement.start(cfg, world_size)
+            if separate.placement.is_rollout(dist.get_rank()):
+                return cls(cfg, sizes, overrides, None, separate)  # serve_rollout() is all it does
+            world_size = separate.placement.train_size
         from megarl.parallel import ParallelDims
 
         layout = cfg.parallel
@@ -104,11 +118,26 @@ class Run:
                             vpp=layout.vpp, first_stage_layers=layout.first_stage_layers,
                             last_stage_layers=layout.last_stage_layers)
         dims.initialize(seed=cfg.trainer.seed)
-        run = cls(cfg, sizes, overrides, dims)
+        run = cls(cfg, sizes, overrides, dims, separate)
         run._lock()
         run._prepare()
         run._fetch_models()
         return run
+
+    @property
+    def serves_rollout(self) -> bool:
+        """True on a rank of rollout.placement=separate that only runs the rollout engine."""
+        return self.dims is None
+
+    def serve_rollout(self) -> int:
+        """A rollout rank's whole life: serve the trainers until they stop it; the exit code."""
+        import torch.distributed as dist
+
+        from megarl.async_rollout.server import run_rollout_rank
+
+        code = run_rollout_rank(self.cfg, self.separate, self.rank)
+        dist.destroy_process_group()
+        return code
 
     def _fail(self, problem: str | None) -> None:
         """Every rank learns rank 0's verdict; rank 0 prints it once; Refused on every rank when there is one."""
@@ -191,7 +220,7 @@ class Run:
         t = self.cfg.trainer
         world_size = self.dims.world_size
         try:
-            trainer = Trainer(with_snapshots(self.cfg, self.snapshots), self.dims)
+            trainer = Trainer(with_snapshots(self.cfg, self.snapshots), self.dims, separate=self.separate)
             self.start = self._resume_point()
         except (ValueError, FileNotFoundError, ImportError) as err:  # bad data / model files, missing engine
             self._refuse(err)
@@ -276,7 +305,8 @@ class Run:
         from megarl.preemption import PreemptionWatch
 
         watch = PreemptionWatch().install()
-        beat = heartbeat.start_for_world(self.cfg.trainer.collective_timeout_s, self.rank, self.dims.world_size)
+        beat = heartbeat.start_for_world(self.cfg.trainer.collective_timeout_s, self.rank, self.dims.world_size,
+                                         separate=self.separate)
         try:
             yield watch
         finally:

@@ -26,6 +26,14 @@ class Sample:
     text: str  # the decoded response, what the reward reads
     # MoE routing replay: the engine's experts [tokens, layers, topk] (RolloutResult.routed_experts)
     routes: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    # per response token: the policy version it was sampled under (asynchronous training; None
+    # when the engine does not say). logprobs are then the behaviour policy's log-probs.
+    versions: tuple[int, ...] | None = None
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The version of the sample's oldest token: what its staleness is counted from."""
+        return min(self.versions) if self.versions else None
 
     @property
     def prompt_index(self) -> int:

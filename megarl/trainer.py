@@ -36,6 +36,8 @@ import torch.distributed as dist
 
 from megarl import algorithms as A
 from megarl import checkpoint, heartbeat, profiling, rollout_corr
+from megarl.async_rollout.client import AsyncSchedule
+from megarl.async_rollout.trainer_side import remote_setup, take_step
 from megarl.config import Config
 from megarl.data.dataset import PromptDataset, PromptRow
 from megarl.data.tokenizer import load_tokenizer
@@ -118,8 +120,10 @@ def _gspo_clip(actor_cfg) -> dict:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, dims: ParallelDims, log=print):
-        self.cfg, self.dims, self.log = cfg, dims, log
+    def __init__(self, cfg: Config, dims: ParallelDims, log=print, separate=None):
+        """separate: the world split of rollout.placement=separate (megarl.placement.WorldGroups);
+        the rollout then runs on the rollout ranks (megarl.async_rollout)."""
+        self.cfg, self.dims, self.log, self.separate = cfg, dims, log, separate
         self.global_batch = GlobalBatch(dims)
         t = cfg.trainer
         self.profiler = StepProfiler(t.profiler, t.profile_steps, t.run_dir, dims.rank)  # refuses nvtx without CUDA first
@@ -160,18 +164,24 @@ class Trainer:
         # from what is free at that moment (megarl/config/memory.py decides the offloads left null).
         self._offload_all()
         release_cached_device_memory()
-        groups = dims.rollout_groups(r.tp)
-        setup = build_rollout(r.engine, cfg.model.path, groups, seed=t.seed, device=str(self.actor.device),
-                              dtype=self.actor.params_dtype, memory_fraction=r.gpu_memory_utilization,
-                              max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens, train_tp=dims.tp,
-                              log=log if dims.rank == 0 else None)
+        if separate is None:
+            setup = build_rollout(r.engine, cfg.model.path, dims.rollout_groups(r.tp), seed=t.seed, device=str(self.actor.device),
+                                  dtype=self.actor.params_dtype, memory_fraction=r.gpu_memory_utilization,
+                                  max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens, train_tp=dims.tp,
+                                  log=log if dims.rank == 0 else None)
+        else:  # the engine runs on the rollout ranks: this rank's handle on its server
+            setup = remote_setup(cfg, separate, dims.rank)
         self.rollout = setup.engine
         self._setup_moe_routing(cfg)
         self.weight_path = setup.weight_path  # "direct" or "full" (megarl.rollout.RolloutSetup)
         self.hybrid = HybridEngine(self._actor_shards(), train=dims.layout,
-                                   rollout=setup.weight_layout, bucket_bytes=r.bucket_bytes, convert=setup.convert)
+                                   rollout=setup.weight_layout, bucket_bytes=r.bucket_bytes, convert=setup.convert, separate=separate)
+        groups = setup.groups
         self.dispatch = DispatchGroups(mp_group=dims.mp_group, mp_rank=dist.get_rank(dims.mp_group), mp_size=dist.get_world_size(dims.mp_group),
                                        rollout_group=groups.group, rollout_rank=groups.rank, rollout_size=groups.size)
+        # separate placement: requests up to async.max_staleness steps ahead (megarl.async_rollout)
+        self.schedule = (AsyncSchedule(self.rollout, self.dispatch, cfg.async_.max_staleness, t.total_steps)
+                         if separate is not None else None)
         stop = stop_token_ids(r, self.tokenizer.eos_token_id)
         for key, ids in (("rollout.stop_token_ids", stop), ("rollout.banned_token_ids", r.banned_token_ids)):
             check_token_ids(key, ids, self.actor.spec.vocab_size)
@@ -231,6 +241,8 @@ class Trainer:
                              f"{PREEMPTED_EXIT_CODE}, the same command resumes (trainer.resume=auto)")
                 watch.keep_until_exit = True  # a late signal (torchrun's, to the others) must not cut the exit short
                 raise Preempted(self.step, signame)
+        if self.schedule is not None:  # separate placement: the rollout ranks stop after the loop
+            self.rollout.stop()
 
     def resume(self, start: Path) -> None:
         """Load the checkpoint `start` (megarl.run.Run decides which) into the engines and this trainer."""
@@ -242,7 +254,9 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """The run state beside the engines' weights and optimizers (trainer.pt of a checkpoint)."""
-        return {"step": self.step, "kl_ctrl": self.kl_ctrl.state_dict(), "data": self.data.state_dict(),
+        data = self.data.state_dict()  # separate placement: before the prompts in flight (megarl.async_rollout)
+        return {"step": self.step, "kl_ctrl": self.kl_ctrl.state_dict(),
+                "data": self.schedule.data_state(data) if self.schedule is not None else data,
                 "guards": self.guards.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -263,6 +277,8 @@ class Trainer:
         # 1. Sync: the actor's current weights into the rollout engine; training state out of its
         # way; only then the engine's KV cache (so it can use the memory training held).
         with clock("timing_s/sync"):
+            if self.schedule is not None:
+                self.rollout.pushing = self.step - 1  # the policy version these weights are (megarl.async_rollout)
             sync = self.hybrid.hand_over(self.rollout, self._offload_all, self._actor_shards())
 
         # 2. Generate samples_per_prompt responses to this rank's prompts (with DAPO's dynamic
@@ -271,7 +287,11 @@ class Trainer:
         # generated before release_memory(): vLLM (sleep level 2) and SGLang drop the weights there.
         with clock("timing_s/gen"):
             filtered = self._generate_filtered() if alg.filter_groups.enable else None
-            samples = filtered.samples if filtered else self._generate(self.data.next_step(), self.sampling)
+            if self.schedule is not None:  # separate placement: samples of this step, generated up to K steps ago
+                samples, async_metrics = take_step(self.schedule, self, self.sampling)
+            else:
+                samples = filtered.samples if filtered else self._generate(self.data.next_step(), self.sampling)
+                async_metrics = {}
             greedy = self._generate(_first_of_groups(samples, self.sampling.n), self._greedy) if alg.adv_estimator == "remax" else None
             self.rollout.release_memory()
         rollout_batch = to_rollout_batch(samples, self.sampling.n, self.sampling.max_new_tokens)
@@ -284,7 +304,8 @@ class Trainer:
             out = self.actor.forward_only(batch, want=("logprobs", "entropy"), temperature=self.sampling.temperature,
                                           banned_token_ids=self.sampling.banned_token_ids)
             batch.tensors["old_logprobs"], entropy = out["logprobs"], out["entropy"]
-        sync_check = self._verify_sync(rollout_batch, batch.tensors["old_logprobs"], mask)
+        sync_check = (self._verify_sync(rollout_batch, batch.tensors["old_logprobs"], mask)
+                      if not async_metrics.get("async/staleness_max") else StepResult({}, []))  # stale samples differ
         # algorithm.rollout_correction: importance weights / rejection between the engine's log-probs
         # (behaviour) and the old log-probs (proximal), for the actor's loss (megarl.rollout_corr)
         corr_metrics = rollout_corr.apply(alg.rollout_correction, batch, rollout_batch.rollout_logprobs,
@@ -351,6 +372,7 @@ class Trainer:
         metrics.update(corr_metrics)
         metrics["training/hybrid_sync_direct"] = float(self.weight_path == "direct")  # 1: shards into vLLM's parameters
         metrics.update(filtered.metrics if filtered else {})
+        metrics.update(async_metrics)
         return StepResult(metrics, events)
 
     def validate(self) -> dict[str, float]:
@@ -365,7 +387,10 @@ class Trainer:
         """sampling.n responses to each of this DP rank's prompts, prompt-major. Generation is
         seeded by (seed, step, prompt, sample), so it does not depend on the layout."""
         requests = [RolloutRequest(tuple(p.prompt_ids), prompt_index=p.global_index, step=self.step) for p in prompts]
-        results = generate_for_training(self.rollout, requests, sampling, self.dispatch)
+        return self._to_samples(prompts, generate_for_training(self.rollout, requests, sampling, self.dispatch), sampling)
+
+    def _to_samples(self, prompts: list[PromptRow], results, sampling: SamplingParams) -> list[Sample]:
+        """The engine's results for `prompts` as Sample records (the reward's text decoded)."""
         by_index = {p.global_index: p for p in prompts}
         samples = []
         for result in results:
@@ -373,7 +398,8 @@ class Trainer:
             scaled = result.scaled_logprobs is not None
             samples.append(Sample(by_index[result.prompt_index], result.sample_index, response,
                                   list(result.scaled_logprobs if scaled else result.logprobs), scaled,
-                                  response_text(self.tokenizer, response, sampling.stop_token_ids), result.routed_experts))
+                                  response_text(self.tokenizer, response, sampling.stop_token_ids), result.routed_experts,
+                                  tuple(result.versions[: len(response)]) if result.versions is not None else None))
         return samples
 
     def _score(self, samples: list[Sample]) -> list[float]:

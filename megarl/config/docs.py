@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import yaml
 
-from megarl.config.schema import Config, hints
+from megarl.config.schema import Config, hints, yaml_key
 
 
 _DOCS_INTRO = """\
@@ -54,20 +54,20 @@ def render_docs() -> str:
         for f in dataclasses.fields(cls):
             tp, default = hints(cls)[f.name], getattr(section_default, f.name)
             if dataclasses.is_dataclass(tp):
-                nested.append((default, f"{prefix}{f.name}", f.metadata["help"]))
+                nested.append((default, f"{prefix}{yaml_key(f.name)}", f.metadata["help"]))
                 continue
             bounds = [f"{w} {f.metadata[b]}" for b, w in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
                       if b in f.metadata]
             kind = ", ".join([_type_name(tp)] + bounds)
             help_text = f.metadata["help"].replace("|", "\\|")
-            lines.append(f"| `{prefix}{f.name}` | {kind} | `{_yaml_scalar(default)}` | {help_text} |")
+            lines.append(f"| `{prefix}{yaml_key(f.name)}` | {kind} | `{_yaml_scalar(default)}` | {help_text} |")
         lines.append("")
         for default, name, help in nested:
             emit(default, name + ".", name, help)
 
     defaults = Config()
     for f in dataclasses.fields(Config):
-        emit(getattr(defaults, f.name), f"{f.name}.", f.name, f.metadata["help"])
+        emit(getattr(defaults, f.name), f"{yaml_key(f.name)}.", yaml_key(f.name), f.metadata["help"])
     return "\n".join(lines)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from megarl.config.schema import Config, ConfigError, convert, hints
+from megarl.config.schema import Config, ConfigError, convert, field_name, hints, yaml_key
 from megarl.config.validation import validate
 
 
@@ -87,15 +87,16 @@ def all_keys(cls: type | None = None, prefix: str = "") -> list[str]:
     for f in dataclasses.fields(cls):
         tp = hints(cls)[f.name]
         if dataclasses.is_dataclass(tp):
-            keys += all_keys(tp, f"{prefix}{f.name}.")
+            keys += all_keys(tp, f"{prefix}{yaml_key(f.name)}.")
         else:
-            keys.append(f"{prefix}{f.name}")
+            keys.append(f"{prefix}{yaml_key(f.name)}")
     return keys
 
 
 def _check_key(key: str) -> None:
     cls = Config
     for part in key.split("."):
+        part = field_name(part)
         if cls is None or part not in hints(cls):
             raise _unknown_key(key)
         tp = hints(cls)[part]
@@ -138,18 +139,19 @@ def _build(cls: type, data: Any, prefix: str, base: Any) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
     types_of = hints(cls)
+    data = {field_name(key): value for key, value in data.items()}
     for key in data:
         if key not in types_of:
-            raise _unknown_key(f"{prefix}{key}")
+            raise _unknown_key(f"{prefix}{yaml_key(key)}")
     values = {}
     for f in dataclasses.fields(cls):
-        default = getattr(base, f.name)
+        default, key = getattr(base, f.name), yaml_key(f.name)
         if f.name not in data:
             values[f.name] = default
         elif dataclasses.is_dataclass(types_of[f.name]):
-            values[f.name] = _build(types_of[f.name], data[f.name], f"{prefix}{f.name}.", default)
+            values[f.name] = _build(types_of[f.name], data[f.name], f"{prefix}{key}.", default)
         else:
-            values[f.name] = convert(data[f.name], types_of[f.name], f"{prefix}{f.name}")
+            values[f.name] = convert(data[f.name], types_of[f.name], f"{prefix}{key}")
     return cls(**values)
 
 
@@ -161,7 +163,7 @@ def to_dict(cfg: Any) -> dict:
         if isinstance(v, (list, tuple)):
             return [plain(x) for x in v]
         if isinstance(v, dict):
-            return {k: plain(x) for k, x in v.items()}
+            return {yaml_key(k): plain(x) for k, x in v.items()}
         return v
     return plain(dataclasses.asdict(cfg))
 

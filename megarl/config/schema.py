@@ -132,6 +132,10 @@ class RolloutConfig:
     verify_weights_mean_atol: Optional[float] = knob(
         None, "limit on the mean |engine - actor| token log-prob of that check; null = the dtype's calibrated limit "
               "(float32 1e-4, bfloat16 0.07, float16 0.02: megarl.hybrid.verify.SYNC_CHECKS)", gt=0)
+    placement: Literal["colocated", "separate"] = knob(
+        "colocated", "colocated: every rank trains and generates, taking turns; separate: the last rollout.num_ranks ranks "
+                     "of the torchrun world only generate and the others only train (docs/async_rl.md)")
+    num_ranks: int = knob(0, "ranks that only generate with rollout.placement=separate (the last ones of the world)", ge=0)
 
 
 @dataclass
@@ -342,6 +346,16 @@ class TrackingConfig:
 
 
 @dataclass
+class AsyncConfig:
+    """The asynchronous schedule (YAML section `async`; docs/async_rl.md)."""
+
+    max_staleness: int = knob(0, "K: samples may come from a policy up to K updates older than the one trained; 0 = "
+                                 "synchronous. K >= 1 needs rollout.placement=separate", ge=0)
+    partial_rollout: bool = knob(False, "a weight update interrupts running requests, which keep their tokens and log-probs "
+                                        "and continue under the new weights (each token remembers its version)")
+
+
+@dataclass
 class TrainerConfig:
     run_dir: str = knob("runs/megarl", "checkpoints, metrics.jsonl, resolved config and the MLflow store go here")
     total_steps: int = knob(100, "PPO steps to run", ge=1)
@@ -379,6 +393,18 @@ class Config:
     guards: GuardsConfig = section(GuardsConfig, "automatic reactions to unhealthy steps")
     tracking: TrackingConfig = section(TrackingConfig, "metrics")
     trainer: TrainerConfig = section(TrainerConfig, "run control")
+    # YAML key `async` (a Python keyword): yaml_key / field_name translate
+    async_: AsyncConfig = section(AsyncConfig, "asynchronous training with bounded staleness (separate placement)")
+
+
+def yaml_key(name: str) -> str:
+    """A schema field's key in YAML and overrides: `async_` is written `async`."""
+    return "async" if name == "async_" else name
+
+
+def field_name(key: str) -> str:
+    """The schema field of a YAML key (the inverse of yaml_key)."""
+    return "async_" if key == "async" else key
 
 
 # ------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
-from megarl.config.schema import ADV_ESTIMATORS_WITH_GROUPS, ActorConfig, Config, ConfigError, ParallelConfig, convert, hints
+from megarl.config.schema import ADV_ESTIMATORS_WITH_GROUPS, ActorConfig, Config, ConfigError, ParallelConfig, convert, hints, yaml_key
 from megarl.layout import ParallelLayout, check_degrees, check_rollout
 
 
@@ -61,6 +61,9 @@ def validate(cfg: Config, world_size: int | None = None) -> BatchSizes | None:
                           f"{cfg.rollout.max_new_tokens}: the buffer is the last part of the response length limit")
     _check_unworkable(cfg)
     _check_monitoring(cfg)
+    from megarl.placement import check_placement
+
+    check_placement(cfg)
     p = cfg.parallel
     # Accepted by ParallelDims, not yet by the engine's forward paths: refuse rather than run wrong.
     if p.cp != 1:
@@ -72,7 +75,9 @@ def validate(cfg: Config, world_size: int | None = None) -> BatchSizes | None:
         raise ConfigError(str(err)) from None
     if world_size is None:
         return None
-    return _check_layout(cfg, world_size)
+    from megarl.placement import training_world
+
+    return _check_layout(cfg, training_world(cfg, world_size))
 
 
 def layout_of(p: ParallelConfig, world_size: int) -> ParallelLayout:
@@ -177,7 +182,7 @@ def _check_bounds(obj: Any, prefix: str) -> None:
     """Re-check types and enums (a Config built in code gets them too) and each field's bounds."""
     types_of = hints(type(obj))
     for f in dataclasses.fields(obj):
-        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
+        value, key = getattr(obj, f.name), f"{prefix}{yaml_key(f.name)}"
         if dataclasses.is_dataclass(value):
             _check_bounds(value, key + ".")
             continue

@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
-from megarl.layout import ParallelLayout, RolloutLayout, assign_rollout, hybridflow_bytes_per_rank
+from megarl.layout import ParallelLayout, RolloutLayout, assign_rollout, hybridflow_bytes_per_rank, separate_assignment
 from megarl.hybrid.plan import Plan, build_specs, make_plan
 from megarl.hybrid.transfer import Converter, MemoryMeter, PlanRunner, TransferStats, identity_convert
 from megarl.models.sharding import ShardMeta
@@ -54,28 +54,41 @@ class HybridEngine:
         `rollout.rows` where the engine splits unevenly) -> [(engine name, tensor)]: what
         `megarl.rollout.build_rollout` returns as `RolloutSetup.convert`. Identity by default.
     bucket_bytes: the most bytes one bucket stages on a rank (send + receive).
+    separate: the world split of separate placement (megarl.placement.WorldGroups): the rollout
+        ranks, which hold no training shard (empty local_shards), load the stream; the same plan,
+        point to point over `separate.down`. Collective over the whole world then.
     """
 
     def __init__(self, local_shards: LocalShards, *, train: ParallelLayout, rollout: RolloutLayout = RolloutLayout(),
-                 bucket_bytes: int = 512 << 20, convert: Converter | None = None, device: torch.device | str | None = None):
+                 bucket_bytes: int = 512 << 20, convert: Converter | None = None, device: torch.device | str | None = None,
+                 separate=None):
         if not dist.is_initialized():
             raise ValueError("HybridEngine needs torch.distributed initialised (gloo on CPU, nccl on GPU)")
-        if dist.get_world_size() != train.world_size:
+        if separate is None and dist.get_world_size() != train.world_size:
             raise ValueError(f"world size {dist.get_world_size()} != {train.describe()}")
-        self.rank = dist.get_rank()
+        self.rank = dist.get_rank(group=separate.down) if separate is not None else dist.get_rank()
         self.train, self.rollout = train, rollout
         self.convert = convert or identity_convert
         first = next(iter(local_shards.values()), None)
         self.device = torch.device(device) if device is not None else (first[0].device if first else torch.device("cpu"))
         self.local_shards = local_shards
-        gathered: list = [None] * train.world_size
-        dist.all_gather_object(gathered, shard_metadata(local_shards))  # once; the plan is cached
-        self.assignment = assign_rollout(train, rollout)
-        self.plan: Plan = make_plan(build_specs(gathered), train, self.assignment, rollout.tp, bucket_bytes, dict(rollout.rows))
+        if separate is None:
+            gathered: list = [None] * train.world_size
+            dist.all_gather_object(gathered, shard_metadata(local_shards))  # once; the plan is cached
+            self.assignment, receivers = assign_rollout(train, rollout), None
+        else:
+            placement = separate.placement
+            gathered = [None] * placement.world_size
+            dist.all_gather_object(gathered, shard_metadata(local_shards), group=separate.down)
+            receivers = placement.rollout_ranks
+            self.assignment = separate_assignment(placement.train_size, receivers, rollout.tp)
+        self.plan: Plan = make_plan(build_specs(gathered), train, self.assignment, rollout.tp, bucket_bytes, dict(rollout.rows),
+                                    receivers=receivers)
         # every rank creates every group, in the same order (new_group is collective)
         needed = sorted({op.group for b in self.plan.buckets for op in b.ops if op.group is not None})
         self._groups = {g: dist.new_group(list(g)) for g in needed}
-        self._runner = PlanRunner(self.plan, self.rank, self._groups, self.device, all_gather_as_broadcasts=dist.get_backend() == "gloo")
+        self._runner = PlanRunner(self.plan, self.rank, self._groups, self.device, all_gather_as_broadcasts=dist.get_backend() == "gloo",
+                                  p2p_group=None if separate is None else separate.down)
         self.last_stats: SyncStats | None = None
 
     # ---------------------------------------------------------------- layout facts

@@ -173,6 +173,12 @@ class Plan:
     largest_tensor_bytes: int
     model_bytes: int
     needed_bytes: list[int] = field(default_factory=list)  # per rank: its rollout shard of every tensor
+    # ranks that load rollout shards; None: every rank (colocated). Separate placement: the
+    # rollout ranks only, which hold nothing, so each receives exactly its rollout shard.
+    receivers: tuple[int, ...] | None = None
+
+    def receives(self, rank: int) -> bool:
+        return self.receivers is None or rank in self.receivers
 
     def units(self, name: str) -> int:
         return self.specs[name].units(self.rollout_tp)
@@ -226,10 +232,14 @@ def build_specs(per_rank_meta: list[list[tuple]]) -> dict[str, TensorSpec]:
 
 
 def make_plan(specs: dict[str, TensorSpec], train: ParallelLayout, assignment: RolloutAssignment, rollout_tp: int,
-              bucket_bytes: int, rollout_rows: dict[str, tuple[tuple[int, int], ...]] | None = None) -> Plan:
+              bucket_bytes: int, rollout_rows: dict[str, tuple[tuple[int, int], ...]] | None = None,
+              receivers: tuple[int, ...] | None = None) -> Plan:
     """Decide sources, cut buckets, and group each bucket's transfers into collective ops.
 
     rollout_rows: {name: rows of tp_dim per rollout rank} for tensors the engine splits unevenly.
+    receivers: the ranks that load rollout shards when they are not the training ranks (separate
+    placement, megarl.placement): global ranks from train.world_size on, described by
+    `assignment` (separate_assignment), holding no training shard.
     """
     if bucket_bytes < ALIGN:
         raise ValueError(f"bucket_bytes must be at least {ALIGN}, got {bucket_bytes}")
@@ -244,11 +254,13 @@ def make_plan(specs: dict[str, TensorSpec], train: ParallelLayout, assignment: R
         if any(not 0 <= lo <= hi <= s.full_shape[s.tp_dim] for lo, hi in rows):
             raise ValueError(f"{name}: rollout rows {rows} outside its {s.full_shape[s.tp_dim]} rows")
         specs[name] = dataclasses.replace(s, rollout_rows=tuple(tuple(r) for r in rows))
-    W = train.world_size
+    W = train.world_size if receivers is None else max(train.world_size, max(receivers) + 1)
+    loaders = tuple(range(W)) if receivers is None else tuple(sorted(receivers))
     q_of = assignment.rollout_tp_rank
     group_of_rank = {r: g for g in assignment.micro_dp_groups for r in g}
     group_members = {g: set(g) for g in assignment.micro_dp_groups}
-    dp_of = [train.replica(r) for r in range(W)]  # the training replica (cp_rank + cp * dp_rank)
+    # the training replica (cp_rank + cp * dp_rank); a rollout-only rank belongs to none
+    dp_of = [train.replica(r) if r < train.world_size else -1 for r in range(W)]
     micro_groups = set(assignment.micro_dp_groups)
     for name, s in specs.items():
         if s.tp_dim is not None:
@@ -274,7 +286,7 @@ def make_plan(specs: dict[str, TensorSpec], train: ParallelLayout, assignment: R
             held_by[h] = sp
         choice: dict[tuple[Span, tuple[int, ...]], int] = {}
         moves: dict[tuple[Span, int], list[int]] = {}
-        for r in range(W):
+        for r in loaders:
             need = s.needed_span(q_of[r], rollout_tp, L)
             for sp, holders in holder_spans.items():
                 piece = need & sp
@@ -307,7 +319,7 @@ def make_plan(specs: dict[str, TensorSpec], train: ParallelLayout, assignment: R
         s = specs[name]
         L = s.units(rollout_tp)
         held_by = {h: s.held_span(j, L) for h, j in s.holders}
-        for r in range(W):
+        for r in loaders:
             need = s.needed_span(q_of[r], rollout_tp, L)
             have = need & held_by[r] if r in held_by else None
             min_recv[r] += s.span_nbytes(need, L) - (s.span_nbytes(have, L) if have else 0)
@@ -353,7 +365,8 @@ def make_plan(specs: dict[str, TensorSpec], train: ParallelLayout, assignment: R
             for d in dsts:
                 planned_recv[d] += chunk.nbytes
     return Plan(specs, order, train, assignment, rollout_tp, bucket_bytes, buckets, min_recv, planned_recv,
-                max((s.nbytes for s in specs.values()), default=0), sum(s.nbytes for s in specs.values()), needed_bytes)
+                max((s.nbytes for s in specs.values()), default=0), sum(s.nbytes for s in specs.values()), needed_bytes,
+                receivers if receivers is None else loaders)
 
 
 def _group_ops(transfers, micro_groups: set[tuple[int, ...]]) -> list[Op]:

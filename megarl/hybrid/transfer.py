@@ -95,8 +95,11 @@ class PlanRunner:
     """Executes `plan` on `rank`, yielding (name, tensor) of its rollout shard, tensor by tensor."""
 
     def __init__(self, plan: Plan, rank: int, groups: dict[tuple[int, ...], object], device: torch.device,
-                 all_gather_as_broadcasts: bool = False):
+                 all_gather_as_broadcasts: bool = False, p2p_group=None):
         self.plan, self.rank, self.groups, self.device = plan, rank, groups, device
+        # separate placement: point-to-point ops cross from training to rollout ranks on a group
+        # over the whole world (the training ranks' default group holds only them)
+        self.p2p_group = p2p_group
         # gloo's all_gather_single copies through a private flat buffer and was ~2x slower than one
         # broadcast per member when the input lives inside the output (measured, 4 ranks, 16 MiB);
         # NCCL's in-place all-gather is the fast path there.
@@ -132,7 +135,7 @@ class PlanRunner:
                     for chunk, at in self._run_op(op, seg, local, stats):
                         received.setdefault((chunk.name, chunk.rows), []).append((chunk, off + at))
                     off += op.nbytes
-            for entry in bucket.entries:
+            for entry in bucket.entries if plan.receives(rank) else ():
                 name, spec, L = entry.name, plan.specs[entry.name], plan.units(entry.name)
                 need, held = plan.needed_span(rank, name), self._held(name)
                 if entry.rows is None and held == need:  # the training shard is already the rollout shard
@@ -205,13 +208,13 @@ class PlanRunner:
                 dist.broadcast(seg, src=op.src, group=self.groups[op.group])
             else:
                 for d in op.dsts:
-                    dist.send(seg, dst=d)
+                    dist.send(seg, dst=d, group=self.p2p_group)
             stats.bytes_sent += op.nbytes * len(op.dsts)
             return []
         if op.kind == "broadcast":
             dist.broadcast(seg, src=op.src, group=self.groups[op.group])
         else:
-            dist.recv(seg, src=op.src)
+            dist.recv(seg, src=op.src, group=self.p2p_group)
         stats.bytes_received += op.nbytes
         got, off = [], 0
         for c in op.chunks:

@@ -104,6 +104,24 @@ def assign_rollout(train: ParallelLayout, rollout: RolloutLayout) -> RolloutAssi
     return RolloutAssignment(tuple(q), tuple(groups), tuple(tuple(sorted(v)) for _, v in sorted(micro.items())))
 
 
+def separate_assignment(train_size: int, rollout_ranks: tuple[int, ...], tp: int) -> RolloutAssignment:
+    """Separate placement (megarl.placement): the rollout ranks, after the `train_size` training
+    ranks, form engine instances of `tp` consecutive ranks. Every rank is its own micro-DP group:
+    the rollout ranks hold no training shard, so each piece travels point to point from a holder."""
+    if not rollout_ranks or min(rollout_ranks) < train_size:
+        raise ValueError(f"rollout ranks {rollout_ranks} must follow the {train_size} training ranks")
+    if len(rollout_ranks) % tp:
+        raise ValueError(f"rollout tp {tp} does not divide the {len(rollout_ranks)} rollout ranks")
+    world = max(rollout_ranks) + 1
+    ranks = sorted(rollout_ranks)
+    q = [0] * world
+    groups = [tuple(ranks[i:i + tp]) for i in range(0, len(ranks), tp)]
+    for group in groups:
+        for position, r in enumerate(group):
+            q[r] = position
+    return RolloutAssignment(tuple(q), tuple(groups), tuple((r,) for r in range(world)))
+
+
 def hybridflow_bytes_per_rank(model_bytes: int, train: ParallelLayout, rollout_tp: int) -> float:
     """HybridFlow's transition volume per GPU, (t*p - t_g) / (t_g * t * p) * M (p_g = 1).
 

@@ -108,6 +108,9 @@ class RolloutResult:
     finish_reason: FinishReason
     scaled_logprobs: list[float] | None = None
     routed_experts: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    # the policy version (trainer updates applied to the weights) each response token was sampled
+    # under; None where the engine does not track versions (asynchronous training, megarl.async_rollout)
+    versions: list[int] | None = field(default=None, compare=False)
 
 
 class RolloutEngine(Protocol):

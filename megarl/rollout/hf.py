@@ -46,6 +46,11 @@ class HFRolloutEngine:
         self._released = False
         # MoE routing replay: set True to return each sample's experts (RolloutResult.routed_experts)
         self.record_routes = False
+        # Asynchronous training (megarl.async_rollout): the policy version of the loaded weights,
+        # recorded per token (RolloutResult.versions), and a hook run between decode steps that may
+        # load newer weights mid-request (partial rollout: tokens, log-probs and KV cache are kept).
+        self.version = 0
+        self.between_tokens = None
         # transformers >= 5.2x names the KV cache argument `cache`; older releases `past_key_values`
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
@@ -116,6 +121,8 @@ class HFRolloutEngine:
         lps: list[list[float]] = [[] for _ in range(B)]
         scaled_lps: list[list[float]] = [[] for _ in range(B)]
         finish: list[str | None] = [None] * B
+        versions: list[list[int]] = [[] for _ in range(B)]
+        logits_version = self.version  # the weights that computed out.logits
         for _ in range(sampling.max_new_tokens):
             processed, scaled = process_logits(out.logits[:, -1, :], sampling.temperature, sampling.top_k, sampling.top_p,
                                                sampling.banned_token_ids)
@@ -130,6 +137,7 @@ class HFRolloutEngine:
                 tokens[i].append(tok_list[i])
                 lps[i].append(tok_lp[i])
                 scaled_lps[i].append(tok_slp[i])
+                versions[i].append(logits_version)
                 if tok_list[i] in stop:
                     finish[i] = "stop"
                 elif len(tokens[i]) == sampling.max_new_tokens:
@@ -137,12 +145,16 @@ class HFRolloutEngine:
             if all(f is not None for f in finish):
                 break
             # finished rows keep decoding (their tokens are discarded): rows never interact
+            if self.between_tokens is not None:  # may load newer weights: the next logits are theirs
+                self.between_tokens()
+                logits_version = self.version
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(B, 1)], dim=-1)
             out = self.model(input_ids=tok[:, None], attention_mask=attention_mask, position_ids=next_pos,
                              use_cache=True, **{self._cache_kw: out[self._cache_kw]})
             next_pos = next_pos + 1
         return [
-            RolloutResult(s.request.prompt_index, s.sample_index, tokens[i], lps[i], finish[i] or "length", scaled_lps[i])
+            RolloutResult(s.request.prompt_index, s.sample_index, tokens[i], lps[i], finish[i] or "length", scaled_lps[i],
+                          versions=versions[i])
             for i, s in enumerate(specs)
         ]
 

@@ -68,6 +68,10 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--mfu", type=float, default=0.35, help="assumed MFU of training forward/backward")
     run.add_argument("--gen-mfu", type=float, default=0.10, help="assumed MFU of generation (memory-bound)")
     run.add_argument("--overhead-gb", type=float, default=4.0, help="GiB per GPU for CUDA context, NCCL, fragmentation")
+    pl = p.add_argument_group("rollout placement (docs/async_rl.md)")
+    pl.add_argument("--rollout-gpus", type=int, help="GPUs that only generate under rollout.placement=separate "
+                                                     "(default: the split with the shortest asynchronous step)")
+    pl.add_argument("--max-staleness", type=int, default=1, help="async.max_staleness K of the separate-async estimate")
     p.add_argument("--search", action="store_true", help="also rank the layouts that fit")
     p.add_argument("--json", help="write the report here")
     return p
@@ -134,6 +138,14 @@ def render(report: dict) -> str:
         + f"; total {t['total']:.2f} (sync {100 * t['sync_share']:.1f}%) at assumed MFU {t['assumed_mfu']:g}, generation "
         f"{t['assumed_gen_mfu']:g}, pipeline bubble {100 * t['pipeline_bubble']:.1f}%",
     ]
+    if report.get("placement"):
+        pl = report["placement"]
+        lines.append(f"placement: colocated {pl['colocated_sync_s']:.2f} s/step; separate ({pl['rollout_gpus']} rollout + "
+                     f"{pl['train_gpus']} training GPUs) {pl['separate_sync_s']:.2f} s synchronous, {pl['separate_async_s']:.2f} s "
+                     f"with async.max_staleness={pl['max_staleness']} ({pl['separate_async_over_separate_sync']:.2f}x separate-sync, "
+                     f"{pl['separate_async_over_colocated_sync']:.2f}x colocated); idle async: rollout "
+                     f"{100 * pl['idle_fraction']['separate_async']['rollout']:.0f}%, training "
+                     f"{100 * pl['idle_fraction']['separate_async']['train']:.0f}%")
     lines += [f"does not fit: {p}" for p in report["problems"]]
     if "search" in report:
         lines.append("layouts that fit, fastest first:" if report["search"] else "no layout of the search fits")
@@ -142,6 +154,22 @@ def render(report: dict) -> str:
                          f": step {f['step_time_s']:.1f} s, training {f['training_gib']:.1f} GiB, rollout {f['rollout_gib']:.1f} GiB")
     lines.append("FITS" if report["fits"] else "DOES NOT FIT")
     return "\n".join(lines)
+
+
+def placement_estimate(report: dict, cluster, args) -> dict | None:
+    """Colocated, separate-sync and separate-async step times from the report's phase costs
+    (megarl.plan.placement); None on one GPU (nothing to split)."""
+    from megarl.plan.placement import best_split, placement_times
+
+    if cluster.gpus < 2:
+        return None
+    # the two groups are apart: across nodes unless the whole run fits in one
+    link = cluster.gpu.nvlink_gb_s if cluster.gpus <= cluster.gpus_per_node else cluster.gpu.ib_gb_s
+    phases, model_bytes = report["step_time_s"], report["sync"]["model_bytes"]
+    common = dict(model_bytes=model_bytes, rollout_tp=args.rollout_tp, link_bytes_per_s=link * 1e9, max_staleness=args.max_staleness)
+    if args.rollout_gpus is not None:
+        return placement_times(phases, cluster.gpus, args.rollout_gpus, **common)
+    return best_split(phases, cluster.gpus, **common)
 
 
 def main(argv=None) -> int:
@@ -153,6 +181,7 @@ def main(argv=None) -> int:
             return 0
         arch, lay, shape, cluster = build(args)
         report = plan(arch, lay, shape, cluster)
+        report["placement"] = placement_estimate(report, cluster, args)
         if args.search:
             report["search"] = search(arch, shape, cluster, base=lay)
     except ValueError as err:

@@ -1,0 +1,10 @@
+"""Rollout on ranks of its own (rollout.placement=separate) and the asynchronous schedule
+(async.max_staleness, async.partial_rollout); docs/async_rl.md.
+
+- `staleness.py`: policy versions, the staleness of a sample, the drop rule, the `async/` metrics (no torch.distributed);
+- `server.py`: the rollout rank's program: a receiving thread (commands, prompts, the weight stream
+  into a staging copy) and the generating loop that loads staged weights between requests, or
+  between tokens with partial rollout;
+- `client.py`: the training ranks' side: `RemoteRollout` (weights out, prompts out, samples back)
+  and `AsyncSchedule` (requests K steps ahead, the staleness check and refill, its checkpoint state).
+"""

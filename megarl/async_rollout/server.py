@@ -1,0 +1,167 @@
+"""The rollout rank's program under rollout.placement=separate.
+
+Two threads, each on a process group of its own (megarl.placement.WorldGroups), so they never
+interleave operations on one group:
+- the receiving thread reads commands from the training ranks on `ctrl`: "weights" (then the
+  weight stream, on `down` of the shared reshard plan, megarl.hybrid, into a staging copy: this rank's
+  rollout shard and nothing else), "generate" (queued), "stop";
+- the main thread takes queued requests in order; before each it loads the newest staged weights
+  (between requests), and with async.partial_rollout also between the tokens of a running request
+  (the engine's `between_tokens` hook: tokens, log-probs and KV cache are kept, each token records
+  the version it was sampled under). Results go back to the requesting training rank on `up`.
+
+A request carries `floor`, the weights version it must be generated with at least: the trainer
+sends the weights before the prompts that need them, but prompts from another training rank may
+overtake rank 0's "weights" command, so the floor, not arrival order, decides.
+"""
+from __future__ import annotations
+
+import pickle
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megarl import heartbeat
+from megarl.rollout.base import RolloutRequest, SamplingParams
+
+
+def send_object(obj, dst: int, group) -> None:
+    """A picklable object to global rank `dst`: its length, then its bytes (host tensors: gloo)."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst=dst, group=group)
+    dist.send(payload, dst=dst, group=group)
+
+
+def recv_object(src: int | None, group):
+    """The next object from `src`, or from any rank when src is None (torch's recv_object_list
+    takes no wildcard source)."""
+    size = torch.empty(1, dtype=torch.int64)
+    sender = dist.recv(size, src=src, group=group)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(payload, src=sender, group=group)
+    return pickle.loads(payload.numpy().tobytes())
+
+
+@dataclass
+class GenerateRequest:
+    client: int
+    request_id: int
+    requests: list[RolloutRequest]
+    sampling: SamplingParams
+    floor: int
+
+
+class RolloutServer:
+    """Serves generation for its client training ranks until "stop"."""
+
+    def __init__(self, engine, hybrid, groups, rank: int, partial_rollout: bool, log=print):
+        self.engine, self.hybrid, self.groups, self.rank, self.log = engine, hybrid, groups, rank, log
+        self.queue: queue.Queue = queue.Queue()
+        self.cond = threading.Condition()
+        self.staged: tuple[int, dict[str, torch.Tensor]] | None = None
+        engine.version = -1  # no weights from the trainer yet: every request waits for the first stream
+        self.staged_version = -1
+        self.sync_bytes = 0  # bytes of the last weight stream received by this rank
+        self.busy_s = 0.0
+        self.started = time.perf_counter()
+        self.error: BaseException | None = None
+        if partial_rollout:
+            engine.between_tokens = self.load_staged
+        plan = hybrid.plan
+        # separate placement: this rank holds nothing, so it receives exactly its rollout shard
+        assert plan.planned_recv_bytes[rank] == plan.needed_bytes[rank] == plan.min_recv_bytes[rank], (
+            plan.planned_recv_bytes[rank], plan.needed_bytes[rank])
+
+    # --- receiving thread -------------------------------------------------------------------------
+    def _receive(self) -> None:
+        try:
+            while True:
+                message = recv_object(None, self.groups.ctrl)
+                kind = message[0]
+                if kind == "weights":
+                    version = message[1]
+                    staged = {name: t.detach().clone() for name, t in self.hybrid.stream()}
+                    self.sync_bytes = self.hybrid.last_stats.bytes_received
+                    with self.cond:
+                        self.staged, self.staged_version = (version, staged), version
+                        self.cond.notify_all()
+                elif kind == "generate":
+                    self.queue.put(GenerateRequest(*message[1:]))
+                elif kind == "stop":
+                    self.queue.put(None)
+                    return
+                else:
+                    raise ValueError(f"rollout rank {self.rank}: unknown command {kind!r}")
+        except BaseException as err:  # surfaced by the main thread
+            self.error = err
+            self.queue.put(None)
+
+    # --- main thread ------------------------------------------------------------------------------
+    def load_staged(self) -> None:
+        """Load the newest staged weights into the engine, if any arrived (between requests or tokens)."""
+        with self.cond:
+            staged, self.staged = self.staged, None
+        if staged is not None:
+            version, tensors = staged
+            self.engine.load_weights(tensors.items())
+            self.engine.version = version
+
+    def _wait_for(self, floor: int) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.staged_version >= floor or self.error is not None)
+        self.load_staged()
+
+    def serve(self) -> None:
+        receiver = threading.Thread(target=self._receive, name="megarl-rollout-recv", daemon=True)
+        receiver.start()
+        while True:
+            heartbeat.enter("wait")
+            item = self.queue.get()
+            if item is None:
+                break
+            self._wait_for(item.floor)
+            if self.error is not None:
+                break
+            heartbeat.enter("generate")
+            start = time.perf_counter()
+            results = self.engine.generate(item.requests, item.sampling) if item.requests else []
+            self.busy_s += time.perf_counter() - start
+            info = {"sync_bytes": self.sync_bytes, "shard_bytes": self.hybrid.plan.needed_bytes[self.rank], "busy_s": self.busy_s, "wall_s": time.perf_counter() - self.started,
+                    "rank": self.rank}
+            send_object(("result", item.request_id, results, info), item.client, self.groups.up)
+        receiver.join(timeout=5)
+        if self.error is not None:
+            raise RuntimeError(f"rollout rank {self.rank}: {self.error}") from self.error
+
+
+def run_rollout_rank(cfg, groups, rank: int, log=print) -> int:
+    """A rollout rank's whole life: the shared reshard plan (waits for the training ranks, whose
+    rank 0 prepares the model directory first), the engine, serving until "stop"."""
+    from megarl.config.validation import layout_of
+    from megarl.hybrid.engine import HybridEngine
+    from megarl.layout import RolloutLayout
+    from megarl.parallel import RolloutGroups
+    from megarl.platform import current_platform
+    from megarl.rollout import build_rollout
+
+    placement = groups.placement
+    r = cfg.rollout
+    hybrid = HybridEngine({}, train=layout_of(cfg.parallel, placement.train_size), rollout=RolloutLayout(tp=r.tp),
+                          bucket_bytes=r.bucket_bytes, separate=groups, device=current_platform().device)
+    mine = RolloutGroups(1, None, (rank,), 0, rank - placement.train_size)
+    dtype = getattr(torch, cfg.model.dtype)
+    setup = build_rollout(r.engine, cfg.model.path, mine, seed=cfg.trainer.seed, device=str(current_platform().device),
+                          dtype=dtype, memory_fraction=r.gpu_memory_utilization,
+                          max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens, train_tp=cfg.parallel.tp, log=None)
+    hybrid.convert = setup.convert
+    server = RolloutServer(setup.engine, hybrid, groups, rank, cfg.async_.partial_rollout, log=log)
+    beat = heartbeat.start_for_world(cfg.trainer.collective_timeout_s, rank, placement.world_size, separate=groups)
+    try:
+        server.serve()
+    finally:
+        beat.stop()
+    return 0

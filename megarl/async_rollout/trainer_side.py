@@ -1,0 +1,55 @@
+"""What `megarl.trainer.Trainer` calls under rollout.placement=separate: the rollout setup that
+stands for a local engine, and one step's samples with the `async/` metrics."""
+from __future__ import annotations
+
+import torch
+
+from megarl.async_rollout.client import AsyncSchedule, RemoteRollout
+from megarl.global_batch import LocalStats
+from megarl.hybrid.transfer import identity_convert
+from megarl.layout import RolloutLayout
+from megarl.parallel import RolloutGroups
+from megarl.rollout import RolloutSetup
+
+
+def remote_setup(cfg, separate, rank: int) -> RolloutSetup:
+    """A RolloutSetup whose engine is this training rank's RemoteRollout: the weight stream leaves
+    in the engine's rollout layout (converted on the rollout rank), the dispatch group is the rank
+    alone (its model-parallel share goes to its own server)."""
+    return RolloutSetup(engine=RemoteRollout(separate, rank), weight_layout=RolloutLayout(tp=cfg.rollout.tp),
+                        groups=RolloutGroups(1, None, (rank,), 0, rank), convert=identity_convert, weight_path="separate",
+                        weight_path_reason=f"the last {cfg.rollout.num_ranks} ranks generate (rollout.placement=separate)")
+
+
+def take_step(schedule: AsyncSchedule, trainer, sampling) -> tuple[list, dict[str, float]]:
+    """This DP rank's samples of trainer.step (requests for the next K steps submitted first) and
+    the step's `async/` metrics over the global batch (one reduction)."""
+    step = trainer.step
+    schedule.prefetch(step, trainer.data.next_step, sampling, data_state=trainer.data.state_dict)
+    wait_before = schedule.remote.wait_s
+    samples, stats = schedule.take(step, sampling, trainer._to_samples)
+    local = LocalStats()
+    local.sum("staleness_sum", torch.tensor(float(stats.staleness_sum)))
+    local.sum("samples", torch.tensor(float(stats.samples)))
+    local.sum("dropped", torch.tensor(float(stats.dropped)))
+    local.sum("spanning", torch.tensor(float(stats.spanning)))
+    local.max("staleness_max", torch.tensor(float(stats.staleness_max)))
+    local.max("wait_s", torch.tensor(schedule.remote.wait_s - wait_before))
+    info = schedule.remote.server_info
+    local.max("sync_bytes", torch.tensor(float(info.get("sync_bytes", 0))))
+    local.max("shard_bytes", torch.tensor(float(info.get("shard_bytes", 0))))
+    local.max("busy_s", torch.tensor(float(info.get("busy_s", 0.0))))
+    local.max("rollout_busy", torch.tensor(info.get("busy_s", 0.0) / max(info.get("wall_s", 0.0), 1e-9)))
+    out = trainer.global_batch.reduce(local)
+    samples_total = max(out["samples"], 1.0)
+    return samples, {
+        "async/staleness_mean": out["staleness_sum"] / samples_total,
+        "async/staleness_max": out["staleness_max"],
+        "async/dropped_stale": out["dropped"],
+        "async/partial_fraction": out["spanning"] / samples_total,
+        "async/trainer_wait_s": out["wait_s"],  # this step's wait for samples (the trainer's idle time)
+        "async/rollout_busy_fraction": out["rollout_busy"],  # of the rollout rank's wall time so far
+        "async/rollout_busy_s": out["busy_s"],  # the rollout rank's generating seconds so far (cumulative)
+        "async/rollout_sync_bytes": out["sync_bytes"],  # received by one rollout rank in the last weight stream
+        "async/rollout_shard_bytes": out["shard_bytes"],  # its rollout shard: the bound (sync = shard + alignment)
+    }

@@ -1,0 +1,133 @@
+"""Where the rollout runs: `rollout.placement` colocated (every rank trains and generates, taking
+turns) or separate (the last `rollout.num_ranks` ranks of the torchrun world only generate).
+
+Separate placement splits the world once, right after `init_process_group`: the training ranks are
+the first ones, so a training rank's rank in its own group equals its global rank, and the
+training group becomes their default process group. Megatron, the engines and every
+`group=None` collective of the trainer then run on the training ranks alone, unchanged. Traffic
+between the two groups runs on three process groups over the whole world (`WorldGroups`: commands
+and prompts, the weight stream, samples), so the rollout rank's receiving thread and its
+generating thread never share a group (docs/async_rl.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megarl.config.schema import Config, ConfigError
+
+
+def check_placement(cfg: Config) -> None:
+    """Values of rollout.placement / num_ranks and async.* that cannot work (world size aside)."""
+    r, a = cfg.rollout, cfg.async_
+    if r.placement == "colocated":
+        if r.num_ranks:
+            raise ConfigError(f"rollout.num_ranks = {r.num_ranks} applies to rollout.placement=separate only; set "
+                              f"rollout.placement=separate or rollout.num_ranks=0")
+        if a.max_staleness or a.partial_rollout:
+            raise ConfigError("async.max_staleness > 0 and async.partial_rollout need rollout ranks that keep generating while "
+                              "the others train: set rollout.placement=separate and rollout.num_ranks (or async.max_staleness=0)")
+        return
+    if r.num_ranks < 1:
+        raise ConfigError("rollout.placement=separate needs rollout.num_ranks >= 1 (the last ranks of the world generate)")
+    if r.engine != "hf":
+        raise ConfigError(f"rollout.placement=separate runs rollout.engine=hf so far, got {r.engine}: use rollout.engine=hf "
+                          f"or rollout.placement=colocated")
+    if r.num_ranks % r.tp:
+        raise ConfigError(f"rollout.num_ranks = {r.num_ranks} is not divisible by rollout.tp = {r.tp}")
+    alg = cfg.algorithm
+    if alg.filter_groups.enable or alg.adv_estimator == "remax":
+        raise ConfigError("rollout.placement=separate does not run algorithm.filter_groups.enable or adv_estimator=remax yet "
+                          "(both generate more than once per step): use rollout.placement=colocated")
+    if a.partial_rollout and not a.max_staleness:
+        raise ConfigError("async.partial_rollout continues requests under newer weights, which async.max_staleness=0 never "
+                          "sends mid-generation: set async.max_staleness >= 1 or async.partial_rollout=false")
+
+
+def training_world(cfg: Config, world_size: int) -> int:
+    """The ranks that train: the whole world colocated, the world less rollout.num_ranks separate."""
+    if cfg.rollout.placement != "separate":
+        return world_size
+    if cfg.rollout.num_ranks >= world_size:
+        raise ConfigError(f"rollout.num_ranks = {cfg.rollout.num_ranks} leaves no training rank in a world of {world_size}: "
+                          f"launch more processes (torchrun --nproc_per_node) or lower rollout.num_ranks")
+    return world_size - cfg.rollout.num_ranks
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The world split: training ranks 0 .. train_size-1, rollout ranks train_size .. world_size-1.
+
+    Each training rank talks to one rollout rank (round-robin), its *server*; the training ranks a
+    rollout rank serves are its *clients*."""
+
+    world_size: int
+    train_size: int
+
+    def __post_init__(self):
+        if not 1 <= self.train_size < self.world_size:
+            raise ValueError(f"Placement: {self.train_size} training ranks in a world of {self.world_size}")
+
+    @property
+    def train_ranks(self) -> tuple[int, ...]:
+        return tuple(range(self.train_size))
+
+    @property
+    def rollout_ranks(self) -> tuple[int, ...]:
+        return tuple(range(self.train_size, self.world_size))
+
+    def is_rollout(self, rank: int) -> bool:
+        return rank >= self.train_size
+
+    def server_of(self, train_rank: int) -> int:
+        return self.train_size + train_rank % len(self.rollout_ranks)
+
+    def clients_of(self, rollout_rank: int) -> tuple[int, ...]:
+        return tuple(t for t in self.train_ranks if self.server_of(t) == rollout_rank)
+
+
+@dataclass
+class WorldGroups:
+    """Process groups over the whole world after the split: `ctrl` carries training -> rollout
+    commands and prompts (received from any rank), `down` the weight stream (received from named
+    ranks, so a command can never be taken for weight bytes), `up` rollout -> training samples."""
+
+    placement: Placement
+    world: object
+    down: object
+    up: object
+    ctrl: object
+
+
+def split_world(placement: Placement) -> WorldGroups:
+    """Collective over the world: make the training ranks' group their default process group.
+
+    Rollout ranks keep the world as default (they create no groups). torch has no public way to
+    run a program on a subset as if it were the world; replacing the default group is the one
+    place this relies on c10d internals (checked by tests/async_rl)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    world = c10d._get_default_group()
+    if dist.get_world_size() != placement.world_size:
+        raise ValueError(f"Placement for {placement.world_size} ranks, torch.distributed has {dist.get_world_size()}")
+    down = dist.new_group(list(range(placement.world_size)))
+    up = dist.new_group(list(range(placement.world_size)))
+    ctrl = dist.new_group(list(range(placement.world_size)))
+    train = dist.new_group(list(placement.train_ranks))
+    if not placement.is_rollout(dist.get_rank()):
+        c10d._world.default_pg = train
+    return WorldGroups(placement, world, down, up, ctrl)
+
+
+def start(cfg: Config, world_size: int) -> WorldGroups:
+    """Separate placement's start: torch.distributed over the whole world, then the split."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from megarl.platform import init_platform
+
+    platform = init_platform()
+    if not dist.is_initialized():
+        dist.init_process_group(backend=platform.backend, timeout=datetime.timedelta(minutes=30))
+    return split_world(Placement(world_size, training_world(cfg, world_size)))

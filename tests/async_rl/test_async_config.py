@@ -1,0 +1,41 @@
+"""rollout.placement / num_ranks and the `async` section: keys, round trip, one-line refusals."""
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from megarl.config import ConfigError, load_config, save_resolved, validate
+
+BASE = "configs/tiny_cpu.yaml"
+
+
+def test_async_section_is_spelled_async_and_round_trips(tmp_path):
+    cfg = load_config(BASE, ["rollout.placement=separate", "rollout.num_ranks=1", "async.max_staleness=2",
+                             "async.partial_rollout=true"])
+    assert (cfg.async_.max_staleness, cfg.async_.partial_rollout) == (2, True)
+    save_resolved(cfg, tmp_path / "c.yaml")
+    written = yaml.safe_load((tmp_path / "c.yaml").read_text())
+    assert written["async"] == {"max_staleness": 2, "partial_rollout": True} and "async_" not in written
+    assert load_config(tmp_path / "c.yaml").async_ == cfg.async_
+    # the training ranks are the world less the rollout ranks: 3 processes -> dp 2
+    assert validate(load_config(BASE, ["rollout.placement=separate", "rollout.num_ranks=1"]), 3).dp == 2
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["rollout.num_ranks=1"], "applies to rollout.placement=separate only"),
+    (["async.max_staleness=1"], "set rollout.placement=separate"),
+    (["rollout.placement=separate"], "needs rollout.num_ranks >= 1"),
+    (["rollout.placement=separate", "rollout.num_ranks=1", "rollout.engine=vllm"], "runs rollout.engine=hf so far"),
+    (["rollout.placement=separate", "rollout.num_ranks=1", "async.partial_rollout=true"], "set async.max_staleness >= 1"),
+    (["rollout.placement=separate", "rollout.num_ranks=1", "algorithm.adv_estimator=remax"], "use rollout.placement=colocated"),
+    (["async.max_stalenes=1"], "did you mean 'async.max_staleness'"),
+])
+def test_refusals_name_the_keys(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(BASE, overrides)
+
+
+def test_no_training_rank_left_is_refused():
+    cfg = load_config(BASE, ["rollout.placement=separate", "rollout.num_ranks=2"])
+    with pytest.raises(ConfigError, match="leaves no training rank in a world of 2"):
+        validate(cfg, 2)
