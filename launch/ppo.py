@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     layout = cfg.parallel
     dims = ParallelDims(world_size=world_size, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, etp=layout.etp,
                         vpp=layout.vpp, first_stage_layers=layout.first_stage_layers,
-                        last_stage_layers=layout.last_stage_layers)
+                        last_stage_layers=layout.last_stage_layers, sequence_parallel=layout.sequence_parallel)
     dims.initialize(seed=cfg.trainer.seed)
     rank = dims.rank
     run_dir = Path(cfg.trainer.run_dir)
