@@ -414,7 +414,8 @@ def balanced_split(num_layers: int, pp: int) -> tuple[int | None, int | None] | 
 
 def search(arch: Arch, run: RunShape, cl: Cluster, top: int = 5, base: Layout | None = None) -> list[dict]:
     """Layouts that fit, fastest estimated step first: tp (powers of 2 within a node; 1 for MoE,
-    whose training megarl refuses at tp > 1: megarl.layout.refuse_moe_tensor_parallel), pp up
+    to keep the search of the 671B class short: MoE at tp > 1 trains with sequence parallelism,
+    plan such a layout directly), pp up
     to 32 (uneven end stages when the layers do not divide), ep (MoE, etp 1), rollout tp (powers of
     2 up to 64); cp stays as given."""
     base = base or Layout()
