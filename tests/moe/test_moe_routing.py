@@ -209,15 +209,12 @@ def test_replay_under_tp_pp_and_ep_gives_the_single_process_numbers(models, reco
 
 
 @pytest.mark.slow
-@pytest.mark.multiprocess
 def test_moe_run_with_replay_matches_its_rollout(tmp_path):
-    """launch/ppo.py (GRPO) with routing replay, the auxiliary loss and frozen routers on a tiny
-    qwen3_moe whose router rows are tied to ~1e-7 (benchmarks/routing_replay.py: without replay its
+    """launch/ppo.py with routing replay, the auxiliary loss and frozen routers on a tiny qwen3_moe
+    whose router rows are tied to ~1e-7 (benchmarks/routing_replay.py: without replay its
     training/rollout_probs_diff_max measured 1.4e-3 to 1.7e-3 per step, as tokens take other experts
     in the actor than in the hf engine). With replay the gap is float32 noise; the auxiliary loss
-    is said once and reported each step. The same run at tp2 with sequence parallelism (the
-    default; each TP rank replays the routes of its own s/tp tokens) logs the metrics of one
-    process (1e-3, tests/trainer/test_ppo_runs.py's bar)."""
+    is said once and reported each step."""
     import json
 
     from conftest import free_port, torchrun
@@ -240,21 +237,51 @@ def test_moe_run_with_replay_matches_its_rollout(tmp_path):
     proc = torchrun(0, ["launch/ppo.py", "--config", "configs/tiny_cpu.yaml", *(f"{k}={v}" for k, v in overrides.items())],
                     env={"MASTER_PORT": str(free_port())})
     assert (proc.stdout + proc.stderr).count("MoE auxiliary load-balancing loss on in the actor: aux_loss, coefficient 0.01") == 1
-    def steps_of(run_dir):
-        return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "event" not in r]
-
-    steps = steps_of(run_dir)
+    steps = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "event" not in r]
     assert len(steps) == 2
     for r in steps:
         assert r["training/rollout_probs_diff_max"] <= 1e-4, r
         assert 0.5 < r["actor/moe_aux_loss"] < 4.0, r
-    overrides.update({"trainer.run_dir": tmp_path / "tp2", "parallel.tp": 2})
-    proc = torchrun(2, ["launch/ppo.py", "--config", "configs/tiny_cpu.yaml", *(f"{k}={v}" for k, v in overrides.items())],
-                    env={"MASTER_PORT": str(free_port())})
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_grpo_with_replay_at_tp2_with_sequence_parallelism_logs_the_metrics_of_one_process(tmp_path):
+    """2 GRPO steps with routing replay and frozen routers on the near-tied qwen3_moe, at tp2 with
+    sequence parallelism (the default at tp > 1: each TP rank replays the routes of its own s/tp
+    tokens) and in one process: the same metrics (1e-3, tests/trainer/test_ppo_runs.py's bar) and the
+    rollout's log-probs to float32 noise. Without the auxiliary loss: it counts the padding tokens,
+    and packed rows are padded to a multiple of 8 x tp, so with it the two layouts train on
+    slightly different losses (as dp splits do: RouterOptions)."""
+    import json
+
+    from conftest import free_port, torchrun
+    from routing_replay import make_model
+
+    from megarl.data.prepare import prepare_arithmetic
+
+    prepare_arithmetic(tmp_path, "copy", 3, 64, 8)
+    overrides = {
+        "model.path": make_model(tmp_path / "model", near_tie=True), "model.dtype": "float32",
+        "model.sequence_packing": "true", "model.freeze_router": "true",
+        "data.train_files": f"[{tmp_path / 'train.parquet'}]", "data.val_files": "[]",
+        "data.prompts_per_step": 8, "rollout.samples_per_prompt": 4, "actor.ppo_mini_batches": 2, "actor.ppo_epochs": 1,
+        "actor.routing_replay": "true", "algorithm.adv_estimator": "grpo",
+        "trainer.total_steps": 2, "trainer.save_every_steps": 0, "trainer.val_every_steps": 0, "tracking.progress_bar": "false",
+    }
+
+    def run(name: str, nproc: int, **extra):
+        args = {**overrides, "trainer.run_dir": tmp_path / name, **extra}
+        proc = torchrun(nproc, ["launch/ppo.py", "--config", "configs/tiny_cpu.yaml", *(f"{k}={v}" for k, v in args.items())],
+                        env={"MASTER_PORT": str(free_port())})
+        rows = [r for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines()) if "event" not in r]
+        return proc, rows
+
+    _, single = run("single", 0)
+    proc, tp2 = run("tp2", 2, **{"parallel.tp": 2})
     assert "tp=2 sp" in proc.stdout  # the layout ran with sequence parallelism
-    tp2 = steps_of(tmp_path / "tp2")
-    assert len(tp2) == 2
-    for a, b in zip(steps, tp2):
+    assert len(single) == len(tp2) == 2
+    for a, b in zip(single, tp2):
         assert b["training/rollout_probs_diff_max"] <= 1e-4, b
-        for k in ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/grad_norm", "actor/entropy", "actor/moe_aux_loss"):
+        for k in ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/grad_norm", "actor/entropy"):
             assert b[k] == pytest.approx(a[k], rel=1e-3, abs=1e-9), f"step {a['step']} {k}: {a[k]} vs {b[k]}"
