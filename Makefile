@@ -20,7 +20,7 @@ CORE_TESTS := tests/platform \
 	tests/engine/test_engine.py::test_actor_and_critic_update_identical_across_layouts \
 	"tests/trainer/test_ppo_runs.py::test_same_run_under_every_layout[dp2]" \
 	tests/trainer/test_ppo_runs.py::test_resume_equals_uninterrupted_run \
-	tests/moe/test_moe_tensor_parallel.py::test_tp2_without_sequence_parallelism_scales_expert_gradients_by_tp
+	tests/moe/test_moe_tensor_parallel.py::test_tp2_with_sequence_parallelism_gives_the_expert_and_router_gradients_of_tp1
 FULL_BIN   := $(if $(filter 3.12,$(PY)),$(BIN312),$(BIN))
 CORE_BIN   := $(if $(filter 3.12,$(PY)),$(BIN),$(BIN312))
 VLLM_VENV  := .venv-vllm

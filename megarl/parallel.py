@@ -26,7 +26,9 @@ class ParallelDims:
     etp: expert tensor parallel (None = same as tp, Megatron's default); vpp: virtual pipeline
     stages per rank (None or 1 = no interleaving); first_stage_layers / last_stage_layers: layers
     of the first / last pipeline stage when they differ from the others (Megatron's
-    num_layers_in_first/last_pipeline_stage; None = an even share).
+    num_layers_in_first/last_pipeline_stage; None = an even share); sequence_parallel: Megatron's
+    sequence parallelism over the tp group (`parallel.sequence_parallel`; off at tp 1). Off by default
+    here, where tools and tests build layouts directly; the run config turns it on at tp > 1.
     """
 
     world_size: int
@@ -38,11 +40,13 @@ class ParallelDims:
     vpp: int | None = None
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+    sequence_parallel: bool = False
     _initialized: bool = field(default=False, repr=False)
 
     def __post_init__(self):
         if self.vpp == 1:  # one virtual stage per rank is the plain 1F1B schedule
             self.vpp = None
+        self.sequence_parallel = bool(self.sequence_parallel) and self.tp > 1  # nothing to split at tp 1
         self.validate()
 
     # --- arithmetic: megarl.layout.ParallelLayout's -------------------------------------------------
@@ -51,7 +55,7 @@ class ParallelDims:
         """The torch-free layout (degrees, stage layers, rank map) these process groups realise."""
         return ParallelLayout.for_world(self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, etp=self.etp,
                                         vpp=self.vpp, first_stage_layers=self.first_stage_layers,
-                                        last_stage_layers=self.last_stage_layers)
+                                        last_stage_layers=self.last_stage_layers, sequence_parallel=self.sequence_parallel)
 
     def validate(self) -> None:
         self.layout  # ValueError with the arithmetic
@@ -260,11 +264,13 @@ def _free_port() -> int:
 
 
 def dims_from_env(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int | None = None, vpp: int | None = None,
-                  first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> ParallelDims:
+                  first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+                  sequence_parallel: bool = False) -> ParallelDims:
     """ParallelDims for the world torchrun started (WORLD_SIZE), or a world of one."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     return ParallelDims(world_size=world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vpp=vpp,
-                        first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
+                        first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
+                        sequence_parallel=sequence_parallel)
 
 
 # --- collectives on small host tensors ----------------------------------------------------------

@@ -116,7 +116,7 @@ class Run:
         layout = cfg.parallel
         dims = ParallelDims(world_size=world_size, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, etp=layout.etp,
                             vpp=layout.vpp, first_stage_layers=layout.first_stage_layers,
-                            last_stage_layers=layout.last_stage_layers)
+                            last_stage_layers=layout.last_stage_layers, sequence_parallel=layout.sequence_parallel)
         dims.initialize(seed=cfg.trainer.seed)
         run = cls(cfg, sizes, overrides, dims, separate)
         run._lock()

@@ -73,7 +73,7 @@ def check_model_layout(cfg: Config, model_dirs: dict[str, str] | None = None) ->
     """The parallel layout against the model's config.json, with the rules the model builder
     applies (megarl.layout.check_model, training rules included): heads and widths over tp,
     layers over the (uneven, virtual) pipeline stages, experts over ep, expert widths over etp, MoE
-    at tp > 1, tied embeddings with vpp. config.json is read by the model builder's parser
+    at tp > 1 without sequence parallelism, tied embeddings with vpp. config.json is read by the model builder's parser
     (megarl.models.families), so a model it cannot build is refused here too. Skipped while the
     model is still to be made or downloaded. The critic's trunk (critic.model_path) and a reward model
     (reward.model_path, forward only) are checked the same way. `model_dirs`: {config key: local
@@ -98,13 +98,14 @@ def check_model_layout(cfg: Config, model_dirs: dict[str, str] | None = None) ->
     try:
         if model_dir is None or not os.path.isfile(os.path.join(model_dir, "config.json")):
             if cfg.model.make_tiny.enable and cfg.model.make_tiny.arch in TINY_MOE_ARCHS:
-                refuse_moe_tensor_parallel(p.tp, f"a tiny {cfg.model.make_tiny.arch} (model.make_tiny)")
+                refuse_moe_tensor_parallel(p.tp, f"a tiny {cfg.model.make_tiny.arch} (model.make_tiny)", p.sequence_parallel)
             return  # the model is still to be made or downloaded
     except ValueError as err:
         raise ConfigError(f"{err} ({cfg.model.path})") from None
     # world-independent: dp = etp * ep makes every expert split divide, so only the model's rules speak
     layout = ParallelLayout(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, vpp=p.vpp, first_stage_layers=p.first_stage_layers,
-                            last_stage_layers=p.last_stage_layers, dp=(p.etp or p.tp) * p.ep)
+                            last_stage_layers=p.last_stage_layers, dp=(p.etp or p.tp) * p.ep,
+                            sequence_parallel=p.sequence_parallel)
     # Every model built on this layout: the actor (and reference), the critic's trunk (trained), a
     # reward model (forward only).
     models = [("model.path", cfg.model.path, True)]

@@ -83,7 +83,8 @@ def validate(cfg: Config, world_size: int | None = None) -> BatchSizes | None:
 def layout_of(p: ParallelConfig, world_size: int) -> ParallelLayout:
     """The torch-free layout of `parallel.*` on `world_size` ranks (ValueError with the arithmetic)."""
     return ParallelLayout.for_world(world_size, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, vpp=p.vpp,
-                                    first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers)
+                                    first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers,
+                                    sequence_parallel=p.sequence_parallel)
 
 
 def _check_unworkable(cfg: Config) -> None:

@@ -26,6 +26,7 @@ from megarl.engine.checkpointing import load_engine, save_engine
 from megarl.engine.forward import interleaved_count, model_forward, pipeline_forward, schedule_inputs
 from megarl.models import load_model_chunks, moe_routing
 from megarl.models.moe_routing import RouterOptions
+from megarl.models.sequence_parallel import sequence_multiple
 from megarl.models.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 from megarl.models.weights import export_hf, local_weight_shards, unwrap
 from megarl.parallel import ParallelDims, all_reduce_host, broadcast_host
@@ -188,14 +189,15 @@ class MegatronEngine:
             # Row lengths divisible by tp keep sequence-parallel splits even; by 8, tensor-core shapes.
             plan = micro_batches.plan_packed(lengths, budget, self._agree_max, multiple=8 * self.dims.tp)
         else:
-            plan = micro_batches.plan_padded(lengths, budget, self._agree_max)
+            plan = micro_batches.plan_padded(lengths, budget, self._agree_max, multiple=sequence_multiple(self.dims))
         # Interleaved schedules need a multiple of pp micro-batches: filler ones carry no rows.
         filler = [None] * (1 if plan.packed else len(plan.bins[0]))
         plan.bins += [list(filler) for _ in range(interleaved_count(len(plan.bins), self.dims) - len(plan.bins))]
         built = micro_batches.build(plan, batch, rows, fields, self.device)
         if batch.routes is not None and any(moe_routing.has_replay(c) for c in self.chunks):  # the rollout's experts
             moe_routing.attach_routes(built, batch.routes, [len(s) for s in batch.input_ids], len(micro_batches.FILLER),
-                                      self.spec.num_layers, self.spec.moe_topk)
+                                      self.spec.num_layers, self.spec.moe_topk,
+                                      sp_shard=(self.dims.tp_rank, self.dims.tp) if self.dims.sequence_parallel else None)
         return built
 
     def _agree_max(self, values: list[int]) -> list[int]:

@@ -83,13 +83,15 @@ def plan_packed(lengths: Sequence[int], budget: int, agree_max: AgreeMax, multip
     return Plan(rows, multiple * math.ceil(width / multiple), packed=True)
 
 
-def plan_padded(lengths: Sequence[int], budget: int, agree_max: AgreeMax) -> Plan:
+def plan_padded(lengths: Sequence[int], budget: int, agree_max: AgreeMax, multiple: int = 1) -> Plan:
     """Rows in order over the fewest micro-batches the budget allows at the step's longest length,
     spread evenly: every micro-batch has ceil(rows / micro-batches) rows, so filler rows (which keep
     the shapes equal for pipeline stages and across DP ranks) number fewer than the micro-batches.
     Filling each micro-batch to the budget instead made a cliff: 32 rows at 30 per micro-batch
-    became 2 x 30 rows, 28 of them filler."""
+    became 2 x 30 rows, 28 of them filler. `multiple`: the width is rounded up to it (tp under
+    sequence parallelism, which splits the sequence dimension over TP)."""
     width, count = agree_max([max(lengths, default=len(FILLER)), len(lengths)])
+    width = multiple * math.ceil(width / multiple)
     num = max(1, math.ceil(count / max(1, min(count, budget // width))))
     per_mb = max(1, math.ceil(count / num))
     rows: list[int | None] = list(range(len(lengths))) + [None] * (num * per_mb - len(lengths))

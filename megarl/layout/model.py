@@ -9,7 +9,8 @@ planner's `Arch`, both parsed from config.json by `megarl.models.families.spec_f
   dense, expert and shared-expert ffn widths over tp / etp, layers over the (uneven, virtual)
   pipeline stages, experts over ep, ep only for mixture-of-experts models;
 - megarl's training rules (`training=True`: the trainer's config check): MoE at tp > 1 needs
-  sequence parallelism, which megarl does not have yet; virtual stages with tied embeddings.
+  sequence parallelism (`parallel.sequence_parallel`, on by default); virtual stages with tied
+  embeddings.
 """
 from __future__ import annotations
 
@@ -88,20 +89,22 @@ def check_model(model: ModelShape, layout: ParallelLayout, *, training: bool = F
 
 def check_training(model: ModelShape, layout: ParallelLayout) -> None:
     """What megarl's trainer refuses although Megatron-Core could build it."""
-    if model.is_moe and layout.tp > 1:
-        refuse_moe_tensor_parallel(layout.tp, f"a {model.name} mixture-of-experts model")
+    if model.is_moe:
+        refuse_moe_tensor_parallel(layout.tp, f"a {model.name} mixture-of-experts model", layout.sequence_parallel)
     if layout.vpp and model.tie_embeddings:
         raise ValueError(f"parallel.vpp = {layout.vpp} with a model whose embeddings are tied ({model.name}): Megatron-Core's "
                          f"optimizer checkpoint does not restore this combination correctly; use parallel.vpp=null")
 
 
-def refuse_moe_tensor_parallel(tp: int, model: str) -> None:
-    """MoE training at parallel.tp > 1 is refused: Megatron-Core's MoE layer supports it only with
-    sequence parallelism, which megarl does not have. Without it every TP rank holds the whole
-    sequence and the token dispatcher gathers it once per TP rank, so each expert sees every token
-    tp times and its gradient comes out tp times too large (measured: tests/moe); Megatron-Core
-    refuses the combination in training. Forward-only tools (megarl.tools.logprobs) may use tp > 1."""
-    if tp > 1:
-        raise ValueError(f"parallel.tp = {tp} with {model}: MoE training needs sequence parallelism at tp > 1, "
-                         f"which megarl does not have; use parallel.tp=1 and split the model with parallel.ep / "
-                         f"parallel.etp / parallel.pp")
+def refuse_moe_tensor_parallel(tp: int, model: str, sequence_parallel: bool) -> None:
+    """MoE training at parallel.tp > 1 without sequence parallelism is refused: Megatron-Core's MoE
+    layer refuses it in training (0.16 to 0.19), and with that guard lifted every TP rank holds the
+    whole sequence and the token dispatcher gathers it once per TP rank, so each expert sees every
+    token tp times and its gradient comes out tp times too large (measured: tests/moe). With
+    sequence parallelism each TP rank routes its own s/tp tokens and the gradients are exact.
+    Forward-only tools (megarl.tools.logprobs) may use either."""
+    if tp > 1 and not sequence_parallel:
+        raise ValueError(f"parallel.tp = {tp} with {model} and parallel.sequence_parallel=false: MoE training at tp > 1 "
+                         f"needs sequence parallelism (without it every expert gradient is tp times too large); set "
+                         f"parallel.sequence_parallel=true (the default), or use parallel.tp=1 and split the model with "
+                         f"parallel.ep / parallel.etp / parallel.pp")

@@ -67,7 +67,9 @@ class ParallelLayout:
     cp: context parallel; etp: expert tensor parallel (None = tp, Megatron's default); vpp:
     virtual pipeline stages per rank (None = no interleaving; 1 is normalised to None);
     first_stage_layers / last_stage_layers: layers of the first / last pipeline stage when they
-    differ from the others (None = an even share). `ParallelLayout.for_world` derives dp from a
+    differ from the others (None = an even share); sequence_parallel: Megatron's sequence
+    parallelism over the tp group (norms, dropout and the MoE router on s/tp tokens; normalised to
+    False at tp 1, where there is nothing to split). `ParallelLayout.for_world` derives dp from a
     world size. Construction checks the degrees (ValueError naming the parallel.* key).
     """
 
@@ -80,16 +82,19 @@ class ParallelLayout:
     vpp: int | None = None
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         if self.vpp == 1:  # one virtual stage per rank is the plain 1F1B schedule
             object.__setattr__(self, "vpp", None)
+        if self.tp == 1:  # Megatron-Core refuses sequence_parallel at tp 1; there is nothing to split
+            object.__setattr__(self, "sequence_parallel", False)
         self._check()
 
     @classmethod
     def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int | None = None,
                   vpp: int | None = None, first_stage_layers: int | None = None,
-                  last_stage_layers: int | None = None) -> "ParallelLayout":
+                  last_stage_layers: int | None = None, sequence_parallel: bool = False) -> "ParallelLayout":
         """The layout of `world_size` ranks, dp derived; ValueError shows the arithmetic."""
         for name, value in (("world_size", world_size), ("tp", tp), ("pp", pp), ("cp", cp)):
             _positive(name, value)
@@ -98,7 +103,8 @@ class ParallelLayout:
             raise ValueError(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {mp}; launch a "
                              f"multiple of {mp} processes or change parallel.tp / parallel.pp / parallel.cp")
         return cls(tp=tp, pp=pp, dp=world_size // mp, ep=ep, cp=cp, etp=etp, vpp=vpp,
-                   first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
+                   first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers,
+                   sequence_parallel=sequence_parallel)
 
     def _check(self) -> None:
         _positive("dp", self.dp)
@@ -143,7 +149,8 @@ class ParallelLayout:
         vpp = f" vpp={self.vpp}" if self.vpp else ""
         uneven = "".join(f" {name}={getattr(self, name)}" for name in ("first_stage_layers", "last_stage_layers")
                          if getattr(self, name) is not None)
-        return f"world={self.world_size} tp={self.tp} pp={self.pp}{vpp}{uneven} cp={self.cp} dp={self.dp}{ep}"
+        sp = " sp" if self.sequence_parallel else ""
+        return f"world={self.world_size} tp={self.tp}{sp} pp={self.pp}{vpp}{uneven} cp={self.cp} dp={self.dp}{ep}"
 
     # --- layers ----------------------------------------------------------------------------------
     def stage_layers(self, num_layers: int) -> list[range]:

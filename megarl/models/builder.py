@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from megarl.layout import ModelShape, check_model
 from megarl.models.families import ModelSpec
 from megarl.models.moe_routing import RouterOptions, router_config, use_hf_group_limited_topk
+from megarl.models.sequence_parallel import SequenceParallelNorm, local_norms
 from megarl.parallel import ParallelDims
 from megarl.platform import current_platform
 
@@ -110,7 +111,8 @@ def build_transformer_config(spec: ModelSpec, dims: ParallelDims, dtype: torch.d
         context_parallel_size=dims.cp,
         expert_model_parallel_size=dims.ep,
         expert_tensor_parallel_size=dims.expert_tp,
-        sequence_parallel=False,
+        # Sequence parallelism (parallel.sequence_parallel, off at tp 1): megarl.models.sequence_parallel
+        sequence_parallel=dims.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -213,7 +215,8 @@ def layer_spec(spec: ModelSpec, use_te: bool | None = None):
     # and rejects MLA's different k/v head sizes; ours runs scaled_dot_product_attention, per
     # length group when packed.
     local.submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    return local
+    # Megatron's local norm refuses sequence parallelism; ours tags its weights for the TP sum.
+    return local_norms(local)
 
 
 def _mla_te_down_projections(te_spec):
@@ -230,10 +233,10 @@ def _mla_te_down_projections(te_spec):
 
 
 def decoder_spec(spec: ModelSpec, config, vp_stage: int | None = None, use_te: bool | None = None):
-    """What GPTModel builds its decoder from: one layer spec when every layer is alike, else the
-    block spec of this pipeline stage's layers (dense first layers, then MoE layers)."""
-    if not spec.moe_first_dense_layers:
-        return layer_spec(spec, use_te)
+    """What GPTModel builds its decoder from: the block spec of this pipeline stage's layers (dense
+    first layers, then MoE layers, or all alike) and its final norm. Without Transformer-Engine the
+    final norm is megarl's `SequenceParallelNorm`: the one TransformerBlock gives a bare layer spec,
+    Megatron's WrappedTorchNorm, refuses sequence parallelism."""
     import dataclasses
 
     from megatron.core.transformer.transformer_block import (
@@ -243,10 +246,13 @@ def decoder_spec(spec: ModelSpec, config, vp_stage: int | None = None, use_te: b
     )
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    moe_layer, dense_layer = layer_spec(spec, use_te), layer_spec(dataclasses.replace(spec, num_experts=None), use_te)
-    pattern = spec.moe_layer_pattern
-    # The slicing of Megatron's get_gpt_decoder_block_spec (which cannot take our core attention);
-    # the final norm is the one TransformerBlock gives a single layer spec.
+    if use_te is None:
+        use_te = uses_transformer_engine()
+    final_norm = LayerNormImpl if use_te else SequenceParallelNorm
+    moe_layer = layer_spec(spec, use_te)
+    dense_layer = layer_spec(dataclasses.replace(spec, num_experts=None), use_te) if spec.moe_first_dense_layers else moe_layer
+    pattern = spec.moe_layer_pattern if spec.moe_first_dense_layers else None
+    # The slicing of Megatron's get_gpt_decoder_block_spec (which cannot take our core attention).
     layout = getattr(config, "pipeline_model_parallel_layout", None)
     if layout is not None:
         from megatron.core.transformer.enums import LayerType
@@ -255,8 +261,8 @@ def decoder_spec(spec: ModelSpec, config, vp_stage: int | None = None, use_te: b
     else:
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
         ids = range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage))
-    return TransformerBlockSubmodules(layer_specs=[moe_layer if pattern[i] else dense_layer for i in ids],
-                                      layer_norm=LayerNormImpl)
+    return TransformerBlockSubmodules(layer_specs=[moe_layer if pattern is None or pattern[i] else dense_layer for i in ids],
+                                      layer_norm=final_norm)
 
 
 def build_gpt_model(spec: ModelSpec, dims: ParallelDims, config=None, dtype: torch.dtype = torch.float32, vp_stage: int | None = None, value_head: bool = False, recompute: str = "none",
@@ -285,7 +291,9 @@ def _mla_latent_norms_at_build(config):
     finalize_model_grads sums the grads of parameters named `q_layernorm` over TP when it is set,
     which is right for per-head q/k norms but doubles MLA's, whose grads are already complete on
     every TP rank (each rank normalises the whole gathered latent, and the column-parallel up
-    projection all-reduces its input gradient)."""
+    projection all-reduces its input gradient). Under sequence parallelism the latents are scattered
+    back to s/tp tokens before the norms, whose grads are then partial: `SequenceParallelNorm`'s
+    `sequence_parallel` tag sums them, once (the two rules share one `or` in finalize_model_grads)."""
     if not getattr(config, "multi_latent_attention", False):
         yield
         return

@@ -13,7 +13,11 @@ with the critic's noise.
 
 The head is replicated on every tensor-parallel rank: its input (the final hidden states) is
 identical across the TP group, so its gradient is too, and Megatron counts replicated parameters
-once in the gradient norm.
+once in the gradient norm. Under sequence parallelism the final hidden states arrive split over the
+TP group ([s/tp, b, h]); the head gathers them first (as the LM head's column-parallel linear does),
+with a backward that keeps each rank's own slice of the gradient and sums nothing: every TP rank
+computes the same value loss from the same gathered values, so each rank's gradient of the gathered
+states is already the whole one.
 """
 from __future__ import annotations
 
@@ -37,12 +41,18 @@ class ValueHead(torch.nn.Module):
 
     is_value_head = True  # megarl.models.weights leaves it out of the HF weights (exported as score.*)
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device, sequence_parallel: bool = False):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.empty(1, hidden_size, dtype=dtype, device=device))
         self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            # [s/tp, b, h] -> [s, b, h]; backward: this rank's slice (module docstring)
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
@@ -68,7 +78,7 @@ def attach_value_head(model: torch.nn.Module, spec, model_dir: str | Path) -> No
     if model.share_embeddings_and_output_weights:
         raise ValueError("build the critic with value_head=True so it does not tie the output layer to the embedding")
     param = next(model.parameters())
-    head = ValueHead(spec.hidden_size, param.dtype, param.device)
+    head = ValueHead(spec.hidden_size, param.dtype, param.device, sequence_parallel=bool(model.config.sequence_parallel))
     loaded = _checkpoint_head(model_dir, spec.hidden_size)
     if loaded is not None:
         head.weight.copy_(loaded[0])

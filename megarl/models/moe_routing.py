@@ -228,12 +228,25 @@ def micro_batch_routes(micro_batch: dict, routes: Sequence[torch.Tensor | None],
     return out.reshape(s * b, num_layers, topk)
 
 
+def sequence_parallel_shard(routes: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """The routes of one TP rank's tokens under sequence parallelism: its routers see the s/tp
+    slice [rank * s/tp, (rank + 1) * s/tp) of the sequence dimension of [s, b, h], flattened
+    s-major, i.e. the rank-th of `size` equal contiguous blocks of the [s * b, ...] routes."""
+    if routes.shape[0] % size:
+        raise ValueError(f"routing replay: {routes.shape[0]} router tokens do not split over {size} sequence-parallel ranks")
+    return routes.chunk(size)[rank]
+
+
 def attach_routes(micro_batches: list[dict], routes: Sequence[torch.Tensor | None], row_lengths: Sequence[int],
-                  filler_length: int, num_layers: int, topk: int) -> None:
-    """Add each micro-batch's routes (field ROUTES) from the batch's per-row routes."""
+                  filler_length: int, num_layers: int, topk: int, sp_shard: tuple[int, int] | None = None) -> None:
+    """Add each micro-batch's routes (field ROUTES) from the batch's per-row routes. sp_shard:
+    (tp rank, tp) under sequence parallelism, where each rank routes its own slice of the tokens."""
     for mb in micro_batches:
         lengths = [row_lengths[r] if r is not None else filler_length for r in mb["rows"]]
-        mb[ROUTES] = micro_batch_routes(mb, routes, lengths, num_layers, topk).to(mb["input_ids"].device)
+        mine = micro_batch_routes(mb, routes, lengths, num_layers, topk)
+        if sp_shard is not None:
+            mine = sequence_parallel_shard(mine, *sp_shard)
+        mb[ROUTES] = mine.to(mb["input_ids"].device)
 
 
 # --- recording on the transformers side -----------------------------------------------------------
@@ -368,4 +381,4 @@ def check_routing_options(options: RouterOptions, is_moe: bool, family: str) -> 
 
 
 __all__ = ["RouterOptions", "router_config", "prepare", "replaying", "has_replay", "attach_routes",
-           "micro_batch_routes", "use_hf_group_limited_topk", "HFRouteRecorder", "hf_routers", "aux_loss_metric", "ROUTES"]
+           "micro_batch_routes", "sequence_parallel_shard", "use_hf_group_limited_topk", "HFRouteRecorder", "hf_routers", "aux_loss_metric", "ROUTES"]

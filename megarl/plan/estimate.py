@@ -44,6 +44,12 @@ class Layout:
     etp: int | None = None  # None = tp (Megatron's default)
     cp: int = 1
     rollout_tp: int = 1
+    sequence_parallel: bool = True  # parallel.sequence_parallel (the schema's default); no effect at tp 1
+
+    @property
+    def sp(self) -> bool:
+        """Whether sequence parallelism splits the activations between the TP regions."""
+        return self.sequence_parallel and self.tp > 1
 
     @property
     def expert_tp(self) -> int:
@@ -85,13 +91,14 @@ def parallel_layout(lay: Layout, gpus: int) -> ParallelLayout:
     if gpus % mp:
         raise ValueError(f"--gpus {gpus} is not divisible by tp {lay.tp} x pp {lay.pp} x cp {lay.cp} = {mp}")
     return ParallelLayout.for_world(gpus, tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, etp=lay.etp, vpp=lay.vpp,
-                                    first_stage_layers=lay.first_stage_layers, last_stage_layers=lay.last_stage_layers)
+                                    first_stage_layers=lay.first_stage_layers, last_stage_layers=lay.last_stage_layers,
+                                    sequence_parallel=lay.sequence_parallel)
 
 
 def check(arch: Arch, lay: Layout, cl: Cluster) -> tuple[int, int]:
     """(dp, expert dp); ValueError with the arithmetic when the layout does not divide. The rules
     are megarl.layout's, Megatron-Core's only: a plan may show a layout megarl's trainer refuses
-    today (MoE at tp > 1, which needs sequence parallelism)."""
+    (MoE at tp > 1 without sequence parallelism)."""
     par = parallel_layout(lay, cl.gpus)
     check_model(arch.shape, par)
     check_rollout("", lay.rollout_tp, cl.gpus)
@@ -171,9 +178,10 @@ def offloaded_bytes(st: EngineState, role: str, param: bool, grad: bool, optimiz
 def activation_bytes(arch: Arch, lay: Layout, stage: int, run: RunShape, critic: bool = False) -> tuple[float, float]:
     """(activations, logits) held at the peak of a backward on a GPU of `stage`.
 
-    Per layer and token, stored for backward (bf16 elements; megarl runs without sequence
-    parallelism, so the norm inputs/outputs are whole on every TP rank): 4h replicated, plus per
-    TP rank the q/k/v and attention output and the MLP's fc1 output and activation; a routed
+    Per layer and token, stored for backward (bf16 elements): 4h for the norms' and residuals'
+    inputs and outputs (with MLA its latents, with MoE the fp32 router logits), whole on every TP
+    rank without sequence parallelism and split over TP with it (`Layout.sp`: divided by tp), plus
+    per TP rank the q/k/v and attention output and the MLP's fc1 output and activation; a routed
     layer keeps top-k copies of each token's expert input, fc1 output and activation, spread
     over EP ranks and split over ETP. Flash attention stores no s x s scores, so "selective"
     (core-attention) recompute changes nothing here; "full" keeps only each layer's input, plus
@@ -192,6 +200,9 @@ def activation_bytes(arch: Arch, lay: Layout, stage: int, run: RunShape, critic:
         attn_rep = 0
     stages = stage_layers(arch.num_layers, lay.pp, lay.first_stage_layers, lay.last_stage_layers)
 
+    # the norm / residual (and router) share: on s/tp tokens per TP rank under sequence parallelism
+    rep_split = lay.tp if lay.sp else 1
+
     def per_token(layer: int) -> float:
         rep = 4 * h + attn_rep
         tp_part = attn_tp
@@ -200,15 +211,15 @@ def activation_bytes(arch: Arch, lay: Layout, stage: int, run: RunShape, critic:
             # EP ranks exchange tokens; on average each receives top-k copies of as many tokens as it sends.
             expert = arch.topk * (h + 3 * arch.moe_ffn) / lay.expert_tp
             tp_part += 3 * arch.shared_experts * arch.moe_ffn
-            return rep + tp_part / lay.tp + expert
-        return rep + (tp_part + 3 * arch.ffn) / lay.tp
+            return rep / rep_split + tp_part / lay.tp + expert
+        return rep / rep_split + (tp_part + 3 * arch.ffn) / lay.tp
 
     layers = list(stages[stage])
     inflight = lay.pp - stage
     if lay.vpp > 1 and stage == 0:
         inflight *= 1 + (lay.pp - 1) / (lay.pp * lay.vpp)
     if run.recompute == "full":
-        stored = len(layers) * h * inflight + max((per_token(i) for i in layers), default=0)
+        stored = len(layers) * h / rep_split * inflight + max((per_token(i) for i in layers), default=0)
     else:
         stored = sum(per_token(i) for i in layers) * inflight
     logits = 0.0
@@ -406,7 +417,8 @@ def balanced_split(num_layers: int, pp: int) -> tuple[int | None, int | None] | 
 
 def search(arch: Arch, run: RunShape, cl: Cluster, top: int = 5, base: Layout | None = None) -> list[dict]:
     """Layouts that fit, fastest estimated step first: tp (powers of 2 within a node; 1 for MoE,
-    whose training megarl refuses at tp > 1: megarl.layout.refuse_moe_tensor_parallel), pp up
+    to keep the search of the 671B class short: MoE at tp > 1 trains with sequence parallelism,
+    plan such a layout directly), pp up
     to 32 (uneven end stages when the layers do not divide), ep (MoE, etp 1), rollout tp (powers of
     2 up to 64); cp stays as given."""
     base = base or Layout()

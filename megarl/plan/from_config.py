@@ -23,7 +23,8 @@ def planner_inputs(cfg: Config, **run_overrides) -> tuple[str, Layout, RunShape]
     """(model path, Layout, RunShape) of a megarl Config; run_overrides replace RunShape fields."""
     p, a, r = cfg.parallel, cfg.actor, cfg.rollout
     lay = Layout(tp=p.tp, pp=p.pp, vpp=p.vpp or 1, first_stage_layers=p.first_stage_layers,
-                 last_stage_layers=p.last_stage_layers, ep=p.ep, etp=p.etp, cp=p.cp, rollout_tp=r.tp)
+                 last_stage_layers=p.last_stage_layers, ep=p.ep, etp=p.etp, cp=p.cp, rollout_tp=r.tp,
+                 sequence_parallel=p.sequence_parallel)
     shape = dict(
         prompts_per_step=cfg.data.prompts_per_step,
         samples_per_prompt=r.samples_per_prompt,

@@ -58,8 +58,12 @@ def sequence_logprobs(model, spec, dims, sequences: list[list[int]], micro_batch
     from megarl.engine.forward import pipeline_forward
     from megarl.models.vocab_parallel import vocab_parallel_logprobs
 
+    from megarl.models.sequence_parallel import sequence_multiple
+
     n = len(sequences)
     length = length or max(len(s) for s in sequences)
+    multiple = sequence_multiple(dims)  # sequence parallelism splits the sequence over TP
+    length = multiple * -(-length // multiple)
     num_micro_batches = num_micro_batches or -(-n // micro_batch_size)
     ids, _ = pad_right(sequences, pad_id=0, length=length) if sequences else (torch.zeros(0, length, dtype=torch.long), None)
     pad_rows = num_micro_batches * micro_batch_size - n  # the pipeline needs equal micro-batches
@@ -101,7 +105,8 @@ def main(argv=None) -> int:
 
     try:
         dims = dims_from_env(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, vpp=args.vpp,
-                             first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers)
+                             first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers,
+                             sequence_parallel=True)  # at tp > 1, as training runs by default
         # a hub id is fetched once per node, which needs the process group: started here for it
         model_dir = hub.local_path_on_each_node(args.model, "--model", dims.initialize)
         spec = load_spec(model_dir)  # UnsupportedModelError is a ValueError

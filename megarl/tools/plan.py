@@ -46,6 +46,8 @@ def parser() -> argparse.ArgumentParser:
     lay.add_argument("--ep", type=int, default=1, help="expert parallelism (MoE)")
     lay.add_argument("--etp", type=int, help="expert tensor parallelism (default: --tp)")
     lay.add_argument("--cp", type=int, default=1, help="context parallelism")
+    lay.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                     help="plan tp > 1 without sequence parallelism (parallel.sequence_parallel=false; refused for MoE training)")
     lay.add_argument("--dp", type=int, help="data parallelism; derived from the others, given only to check it")
     lay.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
     lay.add_argument("--param-offload", action="store_true", help="parameters leave the GPU while the rollout generates")
@@ -97,7 +99,8 @@ def build(args) -> tuple:
         raise ValueError(f"--gpu {args.gpu!r} is not in the GPU table ({', '.join(table)}); add it with --gpu-table FILE.json")
     arch = arch_from_config(load_config(hub.local_path(args.model, "--model", hub.CONFIG_ONLY)))
     lay = Layout(tp=args.tp, pp=args.pp, vpp=args.vpp, first_stage_layers=args.first_stage_layers,
-                 last_stage_layers=args.last_stage_layers, ep=args.ep, etp=args.etp, cp=args.cp, rollout_tp=args.rollout_tp)
+                 last_stage_layers=args.last_stage_layers, ep=args.ep, etp=args.etp, cp=args.cp, rollout_tp=args.rollout_tp,
+                 sequence_parallel=args.sequence_parallel)
     shape = RunShape(prompts_per_step=args.prompts_per_step, samples_per_prompt=args.samples_per_prompt, prompt_len=args.prompt_len,
                      response_len=args.response_len, max_tokens_per_microbatch=args.micro_batch_tokens, ppo_epochs=args.ppo_epochs,
                      critic=args.critic, ref=args.ref, recompute=args.recompute, param_offload=args.param_offload,

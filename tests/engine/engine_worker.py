@@ -85,11 +85,12 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--max-grad-norm", type=float, default=0.0)
     p.add_argument("--packing", choices=("on", "off"), default="on")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism (at tp > 1)")
     p.add_argument("--ckpt")
     p.add_argument("--out")
     args = p.parse_args()
 
-    dims = dims_from_env(tp=args.tp, pp=args.pp).initialize()
+    dims = dims_from_env(tp=args.tp, pp=args.pp, sequence_parallel=args.sp).initialize()
     if args.mode == "both":
         both = {role: run_role(args, dims, critic=(role == "critic"), mode="update") for role in ("actor", "critic")}
         if dist.get_rank() == 0:

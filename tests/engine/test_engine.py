@@ -7,11 +7,13 @@ import torch
 from conftest import torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
-LAYOUTS = {  # name: (processes, tp, pp)
-    "tp2": (2, 2, 1),
-    "pp2": (2, 1, 2),
-    "dp2": (2, 1, 1),
-    "tp2xpp2": (4, 2, 2),
+LAYOUTS = {  # name: (processes, tp, pp, sequence parallelism)
+    "tp2": (2, 2, 1, False),
+    "pp2": (2, 1, 2, False),
+    "dp2": (2, 1, 1, False),
+    # sequence parallelism (megarl's default at tp > 1): tagged norms summed over TP, the value head's
+    # gather, pipeline p2p of s/tp tokens
+    "tp2xpp2_sp": (4, 2, 2, True),
 }
 REL_TOL = 1e-5
 
@@ -41,8 +43,8 @@ def single_process(tiny_models, tmp_path_factory):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_actor_and_critic_update_identical_across_layouts(layout, single_process, tiny_models, tmp_path):
-    nproc, tp, pp = LAYOUTS[layout]
-    result = _worker(tmp_path, tiny_models["qwen2"], nproc, "--mode", "both", "--tp", tp, "--pp", pp)
+    nproc, tp, pp, sp = LAYOUTS[layout]
+    result = _worker(tmp_path, tiny_models["qwen2"], nproc, "--mode", "both", "--tp", tp, "--pp", pp, *(["--sp"] if sp else []))
     for role in ("actor", "critic"):
         ref, got = single_process[role], result[role]
         assert len(got["grad_norms"]) == 2  # two mini-batches -> two optimizer steps

@@ -16,7 +16,8 @@ from pathlib import Path
 
 # Wall-clock and host-process measurements: they differ between any two runs.
 VOLATILE_PREFIXES = ("timing_s/",)
-VOLATILE_KEYS = ("perf/throughput", "perf/cpu_rss_gb")
+VOLATILE_KEYS = ("perf/throughput", "perf/cpu_rss_gb", "perf/rollout_tokens_per_s", "perf/rollout_tokens_per_s_per_gpu",
+                 "perf/samples_per_s")
 
 
 def load(run_dir: str | Path) -> list[dict]:

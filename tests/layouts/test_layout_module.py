@@ -106,8 +106,11 @@ def test_model_rules_in_one_place():
         check_model(dense, ParallelLayout(tp=4))
     moe = ModelShape(name="qwen3_moe", num_layers=4, heads=8, kv_heads=2, ffn=96, experts=4, moe_ffn=32)
     check_model(moe, ParallelLayout(tp=2, ep=2, dp=2))  # Megatron builds it (forward-only tools run it)
-    with pytest.raises(ValueError, match="MoE training needs sequence parallelism at tp > 1"):
+    with pytest.raises(ValueError, match="MoE training at tp > 1 needs sequence parallelism"):
         check_model(moe, ParallelLayout(tp=2, ep=2, dp=2), training=True)
+    check_model(moe, ParallelLayout(tp=2, ep=2, dp=2, sequence_parallel=True), training=True)
+    # tp 1 has nothing to split: the flag is normalised away
+    assert ParallelLayout(ep=2, dp=2, sequence_parallel=True).sequence_parallel is False
     tied = ModelShape(name="llama", num_layers=4, heads=8, kv_heads=2, ffn=96, tie_embeddings=True)
     with pytest.raises(ValueError, match="parallel.vpp = 2 with a model whose embeddings are tied"):
         check_model(tied, ParallelLayout(pp=2, vpp=2), training=True)

@@ -6,7 +6,7 @@
   3. that the ranks' `local_weight_shards` (the hybrid weight sync's input) hold every weight.
 
 A layout is a `tp,pp,ep` triple (`2,1,1`) or `key=value` pairs (`pp=2,first=1,last=3`; keys tp, pp,
-ep, etp, vpp, first, last); `@0,2` after it restricts it to those models (indices into --models).
+ep, etp, vpp, first, last, sp: 1 = sequence parallelism); `@0,2` after it restricts it to those models (indices into --models).
 One torchrun launch serves many layouts (process groups are rebuilt per layout), because starting
 processes costs more than the tiny models' compute. Results go to --out as JSON from rank 0.
 """
@@ -18,7 +18,8 @@ import json
 import torch
 import torch.distributed as dist
 
-KEYS = {"tp": "tp", "pp": "pp", "ep": "ep", "etp": "etp", "vpp": "vpp", "first": "first_stage_layers", "last": "last_stage_layers"}
+KEYS = {"tp": "tp", "pp": "pp", "ep": "ep", "etp": "etp", "vpp": "vpp", "first": "first_stage_layers", "last": "last_stage_layers",
+        "sp": "sequence_parallel"}
 
 
 def parse_layout(text: str) -> tuple[dict, set[int] | None]:
@@ -107,7 +108,7 @@ def main() -> None:
             # (a tied output layer is the embedding: exported_mappings leaves it out)
             unheld = sorted({m.name for m in exported_mappings(spec, dims.tp)} - {n for part in held for n in part})
             tp, pp, ep = (layout.get(k, 1) for k in ("tp", "pp", "ep"))
-            results.append(dict(model=spec.family, model_dir=model_dir, layout=text, tp=tp, pp=pp, ep=ep,
+            results.append(dict(model=spec.family, model_dir=model_dir, layout=text, tp=tp, pp=pp, ep=ep, sp=dims.sequence_parallel,
                                 chunks=len(chunks), max_abs_diff=max_diff, exported=exported,
                                 mismatched=mismatched, missing=missing, unheld=unheld,
                                 mtp_skipped=len(mtp), mtp_exported=sorted(mtp & names)))

@@ -84,7 +84,8 @@ def test_te_fused_mla_norms_map_to_the_local_names(tiny_moe_671b_models):
 def test_mla_latent_norm_grads_need_no_tp_reduction(tiny_moe_671b_models, tmp_path):
     """At tp2 each rank's q/kv latent-norm gradient already equals tp1's; finalize_model_grads sums
     `q_layernorm` grads over TP when config.qk_layernorm is set, so the built model must leave it
-    off (builder._mla_latent_norms_at_build; Megatron-Core 0.19 needs it on while building)."""
+    off (builder._mla_latent_norms_at_build; Megatron-Core 0.19 needs it on while building). At
+    tp2 with sequence parallelism the grads are per-rank shares, tagged, and their TP sum is tp1's."""
     out = tmp_path / "grads.json"
     torchrun(2, ["tests/models/mla_grad_worker.py", "--model", str(tiny_moe_671b_models["deepseek_v3"]), "--out", str(out)])
     result = json.loads(out.read_text())
@@ -92,3 +93,5 @@ def test_mla_latent_norm_grads_need_no_tp_reduction(tiny_moe_671b_models, tmp_pa
     assert result["norms"] == ["decoder.layers.0.self_attention.kv_layernorm.weight",
                                "decoder.layers.0.self_attention.q_layernorm.weight"]
     assert result["max_rel_diff"] < 1e-5, result  # summing over the two TP ranks would make it 1
+    # with sequence parallelism each rank holds its tokens' share, summed over TP by the tag (once)
+    assert result["sp_tagged"] is True and result["sp_max_rel_diff"] < 1e-5, result

@@ -1,5 +1,6 @@
 """Megatron-Core models agree with transformers, and HF -> mcore -> HF is bit-exact, for every
-family under (1 process), (tp 2), (pp 2), (tp 2 x pp 2) and, for MoE, (ep 2) and (tp 2 x ep 2)."""
+family under (1 process), (tp 2 with sequence parallelism), (pp 2), (tp 2 x pp 2) and, for MoE,
+(ep 2) and (tp 2 x ep 2). (tests/models/test_parity_671b.py: the MLA families.)"""
 from __future__ import annotations
 
 import json
@@ -36,8 +37,11 @@ def test_parity_one_process(tiny_models, tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_parity_two_processes(tiny_models, tmp_path):
-    # tp2 and pp2 for all five families; ep2 for the two MoE families.
-    _check(_run(tiny_models, tmp_path, 2, ["2,1,1", "1,2,1", "1,1,2"]), 2 * len(FAMILIES) + 2)
+    # tp2 with sequence parallelism (megarl's default at tp > 1) and pp2 for all five families; ep2
+    # for the two MoE families. (tp2 without it: the four-process launch's tp2 x pp2 and tests/layouts.)
+    results = _run(tiny_models, tmp_path, 2, ["tp=2,sp=1", "1,2,1", "1,1,2"])
+    _check(results, 2 * len(FAMILIES) + 2)
+    assert sum(r["sp"] for r in results) == len(FAMILIES)
 
 
 @pytest.mark.slow

@@ -1,8 +1,9 @@
 """DeepSeek-V3 (MLA, YaRN, group-limited sigmoid routing with a correction bias, shared experts, dense
 first layers) and GLM-4.5 (partial rotary, q/k norm, attention bias, the same MoE) agree with
 transformers in float32, and HF -> mcore -> HF is bit-exact (correction bias included, MTP layers
-skipped), with every weight in some rank's weight-sync shards, at 1 process, tp2, pp2 (even and
-uneven), vpp2 x pp2, ep2, tp2 x ep2, etp2 x ep2 and tp2 x pp2.
+skipped), with every weight in some rank's weight-sync shards, at 1 process, tp2 with sequence
+parallelism, pp2 (even and uneven), vpp2 x pp2, ep2, tp2 x ep2 with sequence parallelism, etp2 x ep2
+and tp2 x pp2.
 
 The variants (`conftest.TINY_671B`: q_lora_rank set and none, 1/2/4 expert groups, tied and untied
 embeddings) run at every layout that is cheap to start; the pipeline layouts run on one model of
@@ -47,6 +48,7 @@ def _check(results: list[dict], layouts: list[str]) -> None:
         assert not r["mtp_exported"], f"{where}: multi-token-prediction tensors came back on export"
         assert (r["mtp_skipped"] > 0) == (TINY_671B[name][1].get("mtp_layers", 0) > 0), r["mtp_skipped"]
         assert r["chunks"] == (2 if "vpp=2" in layout else 1)
+        assert r["sp"] == ("sp=1" in layout), where
     # each family at each layout
     for layout in layouts:
         assert {r["model"] for r in results if r["layout"] == layout} == {"deepseek_v3", "glm4_moe"}, layout
@@ -61,12 +63,12 @@ def test_parity_one_process(tiny_moe_671b_models, tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_parity_two_processes(tiny_moe_671b_models, tmp_path):
-    layouts = ["tp=2", "ep=2", "pp=2@1,2", "pp=2,first=1,last=3@0,3", "pp=2,vpp=2@0,2"]
+    layouts = ["tp=2,sp=1", "ep=2", "pp=2@1,2", "pp=2,first=1,last=3@0,3", "pp=2,vpp=2@0,2"]
     _check(_run(tiny_moe_671b_models, tmp_path, 2, layouts), layouts)
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_parity_four_processes(tiny_moe_671b_models, tmp_path):
-    layouts = ["tp=2,ep=2", "ep=2,etp=2@0,3", "tp=2,pp=2@1,2"]
+    layouts = ["tp=2,ep=2,sp=1", "ep=2,etp=2@0,3", "tp=2,pp=2@1,2"]
     _check(_run(tiny_moe_671b_models, tmp_path, 4, layouts), layouts)

@@ -1,8 +1,10 @@
 """Run under torchrun (2 processes) by test_moe_routing.py: routing replay under each layout given.
 For each: the hf engine records routes on the rollout model, the actor (other router weights)
 replays them on this rank's rows; rank 0 writes, per layout, the log-probs of every row (gathered
-over DP, in global order), the grad norm of one update and the largest ratio gap in that update
-(forward only under tp: Megatron-Core refuses MoE training with tp but no sequence parallelism)."""
+over DP, in global order), the grad norm of one update and the largest ratio gap in that update.
+Under tp the layout runs with sequence parallelism (megarl's default at tp > 1), where each TP rank
+replays the routes of its own s/tp tokens; a layout ending in ",pad" runs padded micro-batches
+instead of packed ones (their width rounded up to a multiple of tp)."""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +22,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rollout-model", required=True)
     p.add_argument("--actor-model", required=True)
-    p.add_argument("--layouts", nargs="+", required=True, help="tp,pp,ep triples like 2,1,1")
+    p.add_argument("--layouts", nargs="+", required=True, help="tp,pp,ep triples like 2,1,1, optionally ,pad")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -31,16 +33,14 @@ def main() -> None:
     requests, results = recorded_results(Path(args.rollout_model))
     out = {}
     for layout in args.layouts:
-        tp, pp, ep = (int(x) for x in layout.split(","))
-        dims = dims_from_env(tp=tp, pp=pp, ep=ep).initialize()
-        cfg = EngineConfig(dtype="float32", routing=RouterOptions(replay=True),
+        parts = layout.split(",")
+        tp, pp, ep = (int(x) for x in parts[:3])
+        dims = dims_from_env(tp=tp, pp=pp, ep=ep, sequence_parallel=True).initialize()
+        cfg = EngineConfig(dtype="float32", routing=RouterOptions(replay=True), sequence_packing=parts[3:] != ["pad"],
                            optim=OptimConfig(lr=1e-2, weight_decay=0.0, max_grad_norm=0.0))
         engine = MegatronEngine(args.actor_model, dims, cfg)
         batch = batch_of(requests, results, dims.dp_rank, dims.dp)
-        if tp > 1:  # Megatron-Core refuses to train MoE under tp without sequence parallelism: forward only
-            logprobs, grad_norm, gap = engine.forward_only(batch)["logprobs"], None, 0.0
-        else:
-            logprobs, grad_norm, gap = forward_and_update(engine, batch, num_global=len(results))
+        logprobs, grad_norm, gap = forward_and_update(engine, batch, num_global=len(results))
         rows: list = [None] * dims.world_size
         dist.all_gather_object(rows, (dims.dp_rank, logprobs))
         full = torch.zeros(len(results), logprobs.shape[1])

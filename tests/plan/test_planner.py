@@ -186,3 +186,43 @@ def test_gpu_table_extends(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert report["fits"] is True and report["cluster"]["memory_gib"] == 192 and report["search"]
+
+
+def test_sequence_parallelism_splits_the_norm_share_of_activations():
+    # Qwen2.5-7B, no recompute, one stage: per layer and token 4h elements (the norms' and residuals'
+    # inputs and outputs) are whole on every TP rank without sequence parallelism, 4h / tp with it.
+    from dataclasses import replace
+
+    from megarl.plan.estimate import activation_bytes
+
+    arch, run = arch_from_config(QWEN25_7B), RunShape(max_tokens_per_microbatch=4096, dtype="bfloat16")
+    lay = Layout(tp=4)
+    with_sp, logits = activation_bytes(arch, lay, 0, run)
+    without_sp, same_logits = activation_bytes(arch, replace(lay, sequence_parallel=False), 0, run)
+    assert logits == same_logits
+    assert without_sp - with_sp == pytest.approx(28 * 4 * 3584 * (1 - 1 / 4) * 4096 * 2)
+    # tp 1: nothing to split, the key changes nothing
+    assert activation_bytes(arch, Layout(), 0, run) == activation_bytes(arch, Layout(sequence_parallel=False), 0, run)
+
+
+def test_verl_deepseek_v3_layout_is_accepted_and_planned(tmp_path):
+    """verl's DeepSeek-V3 layout on 96 H20-96GB (verl docs/perf/dpsk.md, the 96-GPU row: TP8 PP12 EP8,
+    LAST_LAYER=6, i.e. 5 layers on each other stage; ETP1 as in its 671B scripts): config
+    validation takes it (MoE at tp8 with sequence parallelism, the default), and the planner plans it."""
+    from megarl.config import validate
+    from megarl.config.inputs import check_model_layout
+
+    model = write(DEEPSEEK_V3, tmp_path / "dsv3")
+    layout = ["parallel.tp=8", "parallel.pp=12", "parallel.ep=8", "parallel.etp=1", "parallel.first_stage_layers=null",
+              "parallel.last_stage_layers=6", "rollout.tp=32", "data.prompts_per_step=96"]
+    cfg = load_run_config(REPO / "configs" / "deepseek-v3-671b.yaml", [f"model.path={model}", *layout])
+    assert cfg.parallel.sequence_parallel and validate(cfg, world_size=96).dp == 1
+    check_model_layout(cfg)
+    _, lay, run = planner_inputs(cfg)
+    report = plan(arch_from_config(DEEPSEEK_V3), lay, run, Cluster(96, 8, GPUS["h20-96gb"]))
+    assert report["layout"]["dp"] == 1 and report["layout"]["expert_dp"] == 1
+    assert [len(r) for r in stage_layers(61, 12, None, 6)] == [5] * 11 + [6]
+    from dataclasses import replace
+
+    without = plan(arch_from_config(DEEPSEEK_V3), replace(lay, sequence_parallel=False), run, Cluster(96, 8, GPUS["h20-96gb"]))
+    assert report["memory_gib"]["training"]["activations"] < without["memory_gib"]["training"]["activations"]

@@ -66,8 +66,10 @@ def test_same_run_under_every_layout(tmp_path_factory, nproc, tp, pp, single_pro
     run_dir = tmp_path_factory.mktemp(f"layout_tp{tp}_pp{pp}")
     # dp2 also offloads everything between phases: numbers must not change, memory must.
     offload = OFFLOAD_ALL if (tp, pp) == (1, 1) else {}
-    launch_ok(nproc, small_run_overrides(root, run_dir, **{"trainer.total_steps": 2, "parallel.tp": tp, "parallel.pp": pp},
-                                         **offload, **CORRECTION))
+    proc = launch_ok(nproc, small_run_overrides(root, run_dir, **{"trainer.total_steps": 2, "parallel.tp": tp, "parallel.pp": pp},
+                                                **offload, **CORRECTION))
+    # tp2 runs with sequence parallelism, the default at tp > 1 (the critic's value head on the SP shard)
+    assert (f"tp={tp} sp " in proc.stdout) == (tp > 1), proc.stdout
     _assert_close(read_metrics(single_process_run), read_metrics(run_dir), rel=1e-3,
                   keys=COMPARED + ("rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_max"))
     for step in read_metrics(single_process_run) + read_metrics(run_dir):
