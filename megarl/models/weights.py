@@ -212,10 +212,13 @@ def _owner_ep(mapping: WeightMapping, spec: ModelSpec, dims: ParallelDims) -> in
 
 
 @torch.no_grad()
-def export_canonical(model: Chunks, spec: ModelSpec, dims: ParallelDims, mappings: list[WeightMapping] | None = None) -> Iterator[tuple[WeightMapping, torch.Tensor]]:
-    """Full canonical tensors, one at a time, identical on every rank (collective: all ranks iterate)."""
+def export_canonical(model: Chunks, spec: ModelSpec, dims: ParallelDims, mappings: list[WeightMapping] | None = None,
+                     overrides: dict[str, torch.Tensor] | None = None) -> Iterator[tuple[WeightMapping, torch.Tensor]]:
+    """Full canonical tensors, one at a time, identical on every rank (collective: all ranks iterate).
+    overrides: global name -> this rank's shard to export instead of the parameter (LoRA's merged weights)."""
     mappings = mappings if mappings is not None else exported_mappings(spec, dims.tp)
     local = {name: param for name, _, param in named_global_parameters(model, spec, dims)}
+    local.update(overrides or {})
     coords = dims.all_coordinates()
     dtype = next(model_chunks(model)[0].parameters()).dtype
     device = next(model_chunks(model)[0].parameters()).device
@@ -241,13 +244,14 @@ def export_canonical(model: Chunks, spec: ModelSpec, dims: ParallelDims, mapping
         yield mapping, full
 
 
-def export_hf(model: Chunks, spec: ModelSpec, dims: ParallelDims, critic: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf(model: Chunks, spec: ModelSpec, dims: ParallelDims, critic: bool = False,
+              overrides: dict[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for every weight of the HF checkpoint, streamed, on every rank.
 
     A critic exports its backbone plus the value head as `score.weight` / `score.bias` (the names
     of HF's `*ForSequenceClassification` heads), which `megarl.models.critic` loads back.
     """
-    for mapping, full in export_canonical(model, spec, dims, exported_mappings(spec, dims.tp, lm_head=not critic)):
+    for mapping, full in export_canonical(model, spec, dims, exported_mappings(spec, dims.tp, lm_head=not critic), overrides):
         yield from to_hf(mapping, full)
     if critic:
         yield from _value_head(model, dims)
