@@ -158,11 +158,21 @@ class LoraAdapter(torch.nn.Module):
             self.adapters[name] = part
 
     def _tag(self, part, weight) -> None:
+        """Megatron's attributes: which factor is TP-split, which are expert parameters (reduced over
+        the expert-DP group), and which copies the gradient norm counts once."""
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         sharded, replicated = (part.lora_B, part.lora_A) if self.kind == "column" else (part.lora_A, part.lora_B)
-        if self.tp_size > 1:
+        expert = not getattr(weight, "allreduce", True)
+        if self.tp_size > 1 or expert:
             set_tensor_model_parallel_attributes(sharded, True, 0 if self.kind == "column" else 1, 1)
+        if expert:
+            # Megatron's grad norm counts a non-TP parameter on *dense* TP rank 0 only, which says
+            # nothing about the expert-TP group: count the replicated factor on every rank, except
+            # where it is a copy of expert-TP rank 0's (`shared`: counted elsewhere, as a tied head).
+            set_tensor_model_parallel_attributes(replicated, True, 0, 1)
+            if self.tp_rank > 0:
+                replicated.shared = True
         for p in (part.lora_A, part.lora_B):
             if hasattr(weight, "allreduce"):  # expert parameters: reduced over the expert-DP group
                 p.allreduce = weight.allreduce
