@@ -228,6 +228,8 @@ class CriticConfig(RoleConfig):
 class RefConfig:
     param_offload: Optional[bool] = knob(None, "keep the reference model on CPU between its forward passes; null = off, "
                                                "unless the start-up memory check turns it on (rollout.memory_check)")
+    separate_model: bool = knob(False, "with actor.lora: build a separate reference model instead of using the actor with "
+                                       "its adapters off (the default: no second model)")
 
 
 @dataclass

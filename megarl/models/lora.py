@@ -36,20 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-# Megatron linear (suffix of its module name) -> the HF projections it holds, in output order.
-_ATTENTION = {
-    "self_attention.linear_qkv": ("q_proj", "k_proj", "v_proj"),
-    "self_attention.linear_proj": ("o_proj",),
-    # multi-latent attention
-    "self_attention.linear_q_proj": ("q_proj",),
-    "self_attention.linear_q_down_proj": ("q_a_proj",),
-    "self_attention.linear_q_up_proj": ("q_b_proj",),
-    "self_attention.linear_kv_down_proj": ("kv_a_proj_with_mqa",),
-    "self_attention.linear_kv_up_proj": ("kv_b_proj",),
-}
-DENSE_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-MLA_MODULES = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
-
+from megarl.models.lora_targets import ATTENTION_PROJECTIONS, check_targets, known_modules
 
 @dataclass(frozen=True)
 class LoraOptions:
@@ -61,6 +48,7 @@ class LoraOptions:
     dropout: float = 0.0
     target_modules: tuple[str, ...] | None = None
     seed: int = 0
+    key: str = "actor.lora"  # the config section, for messages
 
     @property
     def enabled(self) -> bool:
@@ -71,31 +59,9 @@ class LoraOptions:
         return self.alpha / self.rank
 
 
-def known_modules(spec) -> tuple[str, ...]:
-    """Every HF projection name LoRA can target in a model of `spec` (the default target set)."""
-    names = list(DENSE_MODULES)
-    if spec.mla is not None:
-        names += MLA_MODULES
-    if spec.is_moe:
-        n = spec.hf_names
-        names += [x for x in (n.expert_gate, n.expert_up, n.expert_down) if x not in names]
-    return tuple(names)
-
-
-def check_targets(options: LoraOptions, spec, key: str = "actor.lora") -> None:
-    """One-line refusal of target names the model does not have."""
-    if options.target_modules is None:
-        return
-    known = known_modules(spec)
-    unknown = [t for t in options.target_modules if t not in known]
-    if unknown:
-        raise ValueError(f"{key}.target_modules: {', '.join(unknown)} not in this {spec.family} model; "
-                         f"choose from {', '.join(known)}")
-
-
 def _projections(module_name: str, spec) -> tuple[tuple[str, ...], str] | None:
     """(HF projections, how they are fused: 'one' | 'qkv' | 'cat') of a Megatron linear, or None."""
-    for suffix, names in _ATTENTION.items():
+    for suffix, names in ATTENTION_PROJECTIONS.items():
         if module_name.endswith(suffix):
             return names, ("qkv" if len(names) == 3 else "one")
     expert = ".mlp.experts.local_experts." in module_name
@@ -308,11 +274,11 @@ def attach(chunk: torch.nn.Module, spec, options: LoraOptions, layer_offset: int
     return count
 
 
-def apply(chunks: list, spec, dims, options: LoraOptions, key: str = "actor.lora") -> int:
+def apply(chunks: list, spec, dims, options: LoraOptions) -> int:
     """Adapters on every chunk of this rank (global layer and expert numbering), base frozen."""
     from megarl.models.weights import _layer_offset
 
-    check_targets(options, spec, key)
+    check_targets(options.target_modules, spec, options.key)
     experts_per_rank = spec.num_experts // dims.ep if spec.is_moe else 0
     count = 0
     for chunk in chunks:
