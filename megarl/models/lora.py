@@ -227,8 +227,8 @@ def _rms_input(linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _hook(module, args, output):
-    adapter = module.lora
-    if not adapter.enabled:
+    adapter = getattr(module, "lora", None)
+    if adapter is None or not adapter.enabled:
         return output
     x = args[0]
     if hasattr(module, "layer_norm_weight"):
@@ -358,3 +358,77 @@ def hf_module_name(module_name: str, projection: str, spec) -> str:
     if ".mlp.shared_experts." in module_name:
         return f"{prefix}{spec.hf_names.moe_block}.shared_experts.{projection}"
     return f"{prefix}mlp.{projection}"
+
+
+def full_adapters(chunks, spec, dims) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """HF module name -> (A [rank, in], B [out, rank]) of the whole model, on every rank (collective):
+    each rank's shards are gathered and the TP-split factor concatenated (small: rank x width)."""
+    from megarl.models.weights import _layer_offset, global_name, model_chunks
+
+    experts_per_rank = spec.num_experts // dims.ep if spec.is_moe else 0
+    local = []
+    for chunk in model_chunks(chunks):
+        offset = _layer_offset(chunk)
+        for name, module in chunk.named_modules():
+            adapter = getattr(module, "lora", None)
+            if not isinstance(adapter, LoraAdapter):
+                continue
+            glob = global_name(name + ".weight", offset, dims.ep_rank * experts_per_rank)[: -len(".weight")]
+            for proj, part in adapter.adapters.items():
+                local.append((hf_module_name(glob, proj, spec), adapter.kind, adapter.tp_rank, adapter.tp_size,
+                              part.lora_A.detach().float().cpu(), part.lora_B.detach().float().cpu()))
+    gathered = [local]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+    shards: dict[str, dict] = {}
+    for name, kind, rank, size, a, b in (item for part in gathered for item in part):
+        shards.setdefault(name, {"kind": kind, "size": size, "parts": {}})["parts"][rank] = (a, b)
+    out = {}
+    for name, s in sorted(shards.items()):
+        parts = [s["parts"][r] for r in range(s["size"])]
+        if s["kind"] == "column":
+            out[name] = (parts[0][0], torch.cat([b for _, b in parts], 0))
+        else:
+            out[name] = (torch.cat([a for a, _ in parts], 1), parts[0][1])
+    return out
+
+
+def save_peft_adapter(chunks, spec, dims, options: LoraOptions, out_dir, base_model: str) -> dict[str, int]:
+    """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) that
+    `peft.PeftModel.from_pretrained(<base HF model>, out_dir)` loads: the names are the HF modules'
+    (`base_model.model.<module>.lora_A.weight`), never Megatron's fused ones. Collective; rank 0 writes.
+    MLP adapters of MoE models are refused: peft maps those names onto transformers' fused 3-D expert
+    tensors (export the merged model instead)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    tensors = full_adapters(chunks, spec, dims)
+    mlp = [n for n in tensors if spec.is_moe and ".mlp." in n]
+    if mlp:
+        # peft (0.21, transformers 5) maps every gate_proj / up_proj / down_proj target of a MoE model
+        # onto transformers' fused expert tensors: dense, shared-expert and routed-expert MLP adapters
+        # alike would be dropped or misplaced on load.
+        raise ValueError(f"--adapter-only: MLP adapters of a MoE model ({mlp[0]}, ...) have no PEFT layout (peft maps them "
+                         f"onto transformers' fused experts); export the merged model (the default) or target attention only")
+    if dims.rank == 0:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        state = {}
+        for name, (a, b) in tensors.items():
+            state[f"base_model.model.{name}.lora_A.weight"] = a.contiguous()
+            state[f"base_model.model.{name}.lora_B.weight"] = b.contiguous()
+        save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        # Full module names, not projection names: PEFT turns bare MoE names (gate_proj, ...) into
+        # targets on transformers' fused experts and then skips the dense and shared-expert MLPs.
+        targets = sorted(tensors)
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model),
+                  "r": options.rank, "lora_alpha": options.alpha, "lora_dropout": options.dropout,
+                  "target_modules": targets, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+                  "init_lora_weights": True, "inference_mode": True, "modules_to_save": None}
+        (out / "adapter_config.json").write_text(json.dumps(config, indent=1) + "\n")
+    if dist.is_initialized():
+        dist.barrier()
+    return {"adapters": len(tensors)}

@@ -279,7 +279,8 @@ def _umask() -> int:
 
 
 def save_hf_checkpoint(model: Chunks, spec: ModelSpec, dims: ParallelDims, out_dir: str | Path, source_dir: str | Path,
-                       max_shard_bytes: int = 2 << 30, critic: bool = False, banned_token_ids: Sequence[int] = ()) -> None:
+                       max_shard_bytes: int = 2 << 30, critic: bool = False, banned_token_ids: Sequence[int] = (),
+                       overrides: dict[str, torch.Tensor] | None = None) -> None:
     """Write an HF model directory (safetensors shards + config + tokenizer) from rank 0 (collective).
     banned_token_ids: the run's rollout.banned_token_ids, written as generation_config.json's
     suppress_tokens (`write_suppress_tokens`) so that `generate` samples the policy that was trained."""
@@ -304,7 +305,7 @@ def save_hf_checkpoint(model: Chunks, spec: ModelSpec, dims: ParallelDims, out_d
             weight_map.update({k: fname for k in shard})
         shard, shard_bytes = {}, 0
 
-    for name, tensor in export_hf(model, spec, dims, critic=critic):
+    for name, tensor in export_hf(model, spec, dims, critic=critic, overrides=overrides):
         if not write:
             continue
         shard[name] = tensor.cpu().contiguous()

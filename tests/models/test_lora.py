@@ -108,3 +108,53 @@ def test_unknown_target_refused(tiny_models, world_of_one):
     model, spec = load_model(tiny_models["llama"], world_of_one)
     with pytest.raises(ValueError, match="actor.lora.target_modules: qkv not in this llama model"):
         lora.apply([model], spec, world_of_one, lora.LoraOptions(rank=2, target_modules=("qkv",)))
+
+
+def _logprobs(logits, tokens):
+    return torch.log_softmax(logits.float()[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+
+
+def test_peft_adapter_and_merged_export_give_megarl_logprobs(tiny_models, world_of_one, tmp_path):
+    """--adapter-only's PEFT directory, loaded by peft onto the base transformers model, and the merged
+    export give megarl's log-probs (float32, 1e-4). MoE MLP adapters are refused: peft maps their
+    names onto transformers' fused experts."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from megarl.engine.engine import EngineConfig, MegatronEngine
+    from megarl.models import lora
+    from megarl.models.weights import save_hf_checkpoint
+
+    options = lora.LoraOptions(rank=RANK, alpha=ALPHA)
+    moe = MegatronEngine(str(tiny_models["qwen3_moe"]), world_of_one, EngineConfig(lora=options), trainable=False)
+    with pytest.raises(ValueError, match="--adapter-only: MLP adapters of a MoE model"):
+        lora.save_peft_adapter(moe.chunks, moe.spec, world_of_one, options, tmp_path / "refused", "m")
+    model_dir = tiny_models["qwen2"]  # q/k/v biases: the adapters sit beside them
+    engine = MegatronEngine(str(model_dir), world_of_one, EngineConfig(lora=options), trainable=False)
+    params = megarl_adapter_params(engine.chunks, engine.spec, world_of_one)
+    values = random_adapters({n: (b.shape[0], a.shape[1]) for n, (a, b) in params.items()}, RANK, seed=5)
+    with torch.no_grad():
+        for n, (a, b) in params.items():
+            a.copy_(values[n][0])
+            b.copy_(values[n][1])
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, engine.spec.vocab_size, (2, 12), generator=g)
+    positions = torch.arange(12).unsqueeze(0).expand(2, -1)
+    with torch.no_grad():
+        ours = _logprobs(engine.module(tokens, positions, None)[..., : engine.spec.vocab_size], tokens)
+        with lora.disabled(engine.chunks):
+            base_ours = _logprobs(engine.module(tokens, positions, None)[..., : engine.spec.vocab_size], tokens)
+    assert (ours - base_ours).abs().max() > 1e-2  # the adapters matter
+    lora.save_peft_adapter(engine.chunks, engine.spec, world_of_one, options, tmp_path / "adapter", str(model_dir))
+    base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    assert sum(1 for n, _ in peft_model.named_parameters() if "lora_" in n) == 2 * len(params)
+    with torch.no_grad():
+        theirs = _logprobs(peft_model(tokens).logits, tokens)
+    assert (ours - theirs).abs().max() < 1e-4, (ours - theirs).abs().max()
+    # the merged export (export_hf's default under LoRA): the same model
+    merged = lora.merged_weights(engine.chunks, engine.spec, world_of_one)
+    save_hf_checkpoint(engine.chunks, engine.spec, world_of_one, tmp_path / "merged", model_dir, overrides=merged)
+    with torch.no_grad():
+        full = _logprobs(AutoModelForCausalLM.from_pretrained(tmp_path / "merged", torch_dtype=torch.float32)(tokens).logits, tokens)
+    assert (full - theirs).abs().max() < 1e-4
