@@ -46,5 +46,6 @@ def test_lora_same_numbers_under_every_layout(tmp_path):
                 got, want = _rows(r[key]), _rows(base[key])
                 torch.testing.assert_close(got, want, rtol=0, atol=1e-4, msg=f"{where} log-probs adapters {key}")
             assert r["merged"].keys() == base["merged"].keys()
+            # four Adam steps at lr 1e-2 from float32 gradients that differ in rounding
             for name, t in base["merged"].items():
-                torch.testing.assert_close(r["merged"][name], t, rtol=1e-4, atol=1e-5, msg=f"{where} merged {name}")
+                torch.testing.assert_close(r["merged"][name], t, rtol=1e-4, atol=1e-4, msg=f"{where} merged {name}")
