@@ -94,6 +94,7 @@ def test_lora_gradients_match_reference(tiny_models, world_of_one, arch):
     _check(tiny_models[arch], world_of_one)
 
 
+@pytest.mark.slow  # ~25-45 s on the shared CI cores (MLA, 8 experts, float64 on both sides)
 def test_lora_mla_shared_experts(tiny_moe_671b_models, world_of_one):
     _check(tiny_moe_671b_models["deepseek_v3"], world_of_one)
 
