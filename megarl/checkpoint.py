@@ -19,6 +19,8 @@ import yaml
 from megarl import hub
 from megarl.checkpoint_io import atomic_dir, cleanup_old_checkpoints, latest_complete_checkpoint, load_plain, step_dir
 from megarl.engine.engine import EngineConfig, MegatronEngine
+from megarl.models import lora
+from megarl.models.lora import LoraOptions
 from megarl.models.weights import save_hf_checkpoint
 from megarl.parallel import dims_from_env
 
@@ -77,6 +79,8 @@ def export_hf_main(argv=None) -> int:
     p.add_argument("--role", choices=("actor", "critic"), default="actor")
     p.add_argument("--model", help="the HF directory or hub id (org/name[@revision]) the run started from (default: "
                                    "model.path of the run's config, at the hub commit the run recorded)")
+    p.add_argument("--adapter-only", action="store_true", help="a run with <role>.lora: write the PEFT adapter directory "
+                                                                "(loads onto the base model with peft) instead of the merged model")
     args = p.parse_args(argv)
 
     ckpt = Path(args.ckpt)
@@ -101,9 +105,35 @@ def export_hf_main(argv=None) -> int:
             print(f"error: {err}", file=sys.stderr)
         return 2
     critic = args.role == "critic"
-    engine = MegatronEngine(model_dir, dims, EngineConfig(), value_head=critic, trainable=False)
+    lora_cfg = ((run_config or {}).get(args.role) or {}).get("lora") or {}
+    options = None
+    if lora_cfg.get("rank"):  # the adapters are in the checkpoint: build them to load them
+        targets = lora_cfg.get("target_modules")
+        options = LoraOptions(rank=int(lora_cfg["rank"]), alpha=float(lora_cfg.get("alpha", 16.0)),
+                              dropout=float(lora_cfg.get("dropout", 0.0)), key=f"{args.role}.lora",
+                              target_modules=tuple(targets) if targets is not None else None)
+    if args.adapter_only and (options is None or critic):
+        if dims.rank == 0:
+            print(f"error: --adapter-only needs a run with actor.lora.rank > 0 and --role actor ({ckpt})", file=sys.stderr)
+        return 2
+    engine = MegatronEngine(model_dir, dims, EngineConfig(lora=options), value_head=critic, trainable=False)
     engine.load(str(ckpt / args.role))
-    save_hf_checkpoint(engine.chunks, engine.spec, dims, args.out, model_dir, critic=critic, banned_token_ids=banned)
+    if args.adapter_only:
+        try:
+            lora.save_peft_adapter(engine.chunks, engine.spec, dims, options, args.out, model_dir)
+        except ValueError as err:
+            if dims.rank == 0:
+                print(f"error: {err}", file=sys.stderr)
+            return 2
+        if dims.rank == 0:
+            print(f"wrote {args.out} (PEFT adapter for {model_dir})")
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
+    # under LoRA: the merged model, W + scale * B @ A merged in float32
+    overrides = lora.merged_weights(engine.chunks, engine.spec, dims) if options else None
+    save_hf_checkpoint(engine.chunks, engine.spec, dims, args.out, model_dir, critic=critic, banned_token_ids=banned,
+                       overrides=overrides)
     if dims.rank == 0:
         suppressed = f" (generation_config.json suppress_tokens {list(banned)}: the run's rollout.banned_token_ids)" if banned and not critic else ""
         print(f"wrote {args.out}{suppressed}")

@@ -50,6 +50,7 @@ from megarl.hybrid.dispatch import DispatchGroups, generate_for_training
 from megarl.hybrid.engine import HybridEngine, release_cached_device_memory
 from megarl.hybrid.verify import WeightSyncMismatch, mismatch_message, sync_limits, sync_problem, sync_stats, token_prob_diff
 from megarl.models import moe_routing
+from megarl.models.lora import LoraOptions
 from megarl.models.moe_routing import RouterOptions
 from megarl.parallel import ParallelDims, all_reduce_host
 from megarl.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch
@@ -93,7 +94,17 @@ def engine_config(cfg: Config, role: str, total_steps: int) -> EngineConfig:
     return EngineConfig(dtype=cfg.model.dtype, optim=optim, max_tokens_per_microbatch=role_cfg.max_tokens_per_microbatch,
                         param_offload=bool(role_cfg.param_offload), grad_offload=bool(role_cfg.grad_offload),  # null = off
                         optimizer_offload=bool(role_cfg.optimizer_offload), recompute=role_cfg.recompute,
-                        sequence_packing=cfg.model.sequence_packing, routing=router_options(cfg, role))
+                        sequence_packing=cfg.model.sequence_packing, routing=router_options(cfg, role),
+                        lora=lora_options(role_cfg.lora, f"{role}.lora", cfg.trainer.seed))
+
+
+def lora_options(lora_cfg, key: str, seed: int) -> LoraOptions | None:
+    """A role's `lora` section as the engine's options (None: no adapters)."""
+    if lora_cfg.rank == 0:
+        return None
+    targets = tuple(lora_cfg.target_modules) if lora_cfg.target_modules is not None else None
+    return LoraOptions(rank=lora_cfg.rank, alpha=lora_cfg.alpha, dropout=lora_cfg.dropout, target_modules=targets,
+                       seed=seed, key=key)
 
 
 def router_options(cfg: Config, role: str) -> RouterOptions:
@@ -146,8 +157,10 @@ class Trainer:
         self.actor = MegatronEngine(cfg.model.path, dims, engine_config(cfg, "actor", t.total_steps), seed=t.seed)
         self.critic = (MegatronEngine(cfg.critic.model_path or cfg.model.path, dims, engine_config(cfg, "critic", t.total_steps), value_head=True, seed=t.seed)
                        if self.uses_critic else None)
+        # Under actor.lora the reference policy is the actor with its adapters off: no second model.
+        self.ref_from_actor = self.uses_ref and cfg.actor.lora.rank > 0 and not cfg.ref.separate_model
         self.ref = (MegatronEngine(cfg.model.path, dims, engine_config(cfg, "ref", t.total_steps), trainable=False)
-                    if self.uses_ref else None)
+                    if self.uses_ref and not self.ref_from_actor else None)
         kl_cfg = alg.kl_ctrl
         # The KL coefficient's one writer: the controller (its update, and raise_coef for the KL guard).
         self.kl_ctrl = (A.AdaptiveKLController(kl_cfg.kl_coef, kl_cfg.target_kl, kl_cfg.horizon,
@@ -310,11 +323,14 @@ class Trainer:
         # (behaviour) and the old log-probs (proximal), for the actor's loss (megarl.rollout_corr)
         corr_metrics = rollout_corr.apply(alg.rollout_correction, batch, rollout_batch.rollout_logprobs,
                                           rollout_batch.logprobs_are_scaled, self.global_batch)
-        if self.ref is not None:
+        if self.uses_ref:
             with clock("timing_s/ref"):
-                batch.tensors["ref_logprobs"] = self.ref.forward_only(batch, temperature=self.sampling.temperature,
-                                                                      banned_token_ids=self.sampling.banned_token_ids)["logprobs"]
-                self.ref.offload()
+                ref = self.ref or self.actor
+                batch.tensors["ref_logprobs"] = ref.forward_only(batch, temperature=self.sampling.temperature,
+                                                                 banned_token_ids=self.sampling.banned_token_ids,
+                                                                 adapters=not self.ref_from_actor)["logprobs"]
+                if self.ref is not None:
+                    self.ref.offload()
         if self.critic is not None:
             with clock("timing_s/values"):
                 batch.tensors["old_values"] = self.critic.forward_only(batch)["values"]
@@ -327,7 +343,7 @@ class Trainer:
             if alg.use_kl_in_reward:
                 token_rewards, _ = A.apply_kl_penalty(token_scores, batch.tensors["old_logprobs"], batch.tensors["ref_logprobs"],
                                                       mask, self.kl_ctrl.value, alg.kl_penalty)
-            if self.ref is not None:
+            if self.uses_ref:
                 kl = A.kl_penalty(batch.tensors["old_logprobs"], batch.tensors["ref_logprobs"], alg.kl_penalty) * mask
                 reward_kl = self.global_batch.mean(A.masked_mean(kl, mask, dim=-1))
 

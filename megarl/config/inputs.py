@@ -80,6 +80,7 @@ def check_model_layout(cfg: Config, model_dirs: dict[str, str] | None = None) ->
     directory} of models named by hub id and resolved since (the launcher checks again with them)."""
     from megarl.layout import ModelShape, check_model, refuse_moe_tensor_parallel
     from megarl.models.families import load_spec
+    from megarl.models.lora_targets import check_targets
 
     resolved = dict(model_dirs or {})
 
@@ -120,8 +121,18 @@ def check_model_layout(cfg: Config, model_dirs: dict[str, str] | None = None) ->
         try:
             spec = load_spec(directory)  # UnsupportedModelError: the loader's message, here before any model exists
             check_model(ModelShape.of_spec(spec), layout, training=training)
+            for role in _lora_roles(cfg, key):
+                check_targets(getattr(cfg, role).lora.target_modules, spec, f"{role}.lora")
         except ValueError as err:
             raise ConfigError(f"{err} ({key} {path})") from None
+
+
+def _lora_roles(cfg: Config, key: str) -> list[str]:
+    """The roles with adapters on the model of config key `key`."""
+    critic_here = cfg.algorithm.adv_estimator == "gae" and (key == "critic.model_path" or
+                                                             (key == "model.path" and not cfg.critic.model_path))
+    roles = (["actor"] if key == "model.path" else []) + (["critic"] if critic_here else [])
+    return [r for r in roles if getattr(cfg, r).lora.rank > 0]
 
 
 TINY_MOE_ARCHS = MOE_FAMILIES + LARGE_MOE_FAMILIES

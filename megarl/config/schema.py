@@ -166,6 +166,16 @@ class DataConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = knob(0, "LoRA rank of the role's adapters; 0 = train every weight (no adapters)", ge=0)
+    alpha: float = knob(16.0, "LoRA alpha: the adapter output is scaled by alpha / rank (PEFT's)", gt=0)
+    dropout: float = knob(0.0, "dropout on the adapters' input (training passes only)", ge=0, lt=1)
+    target_modules: Optional[list[str]] = knob(None, "HF projection names that get adapters (q_proj, k_proj, v_proj, o_proj, "
+                                                     "gate_proj, up_proj, down_proj, MLA's q_a_proj/q_b_proj/kv_a_proj_with_mqa/"
+                                                     "kv_b_proj, the experts'); null = every linear layer of the decoder")
+
+
+@dataclass
 class RoleOptimConfig:
     """Optimizer and LR schedule of one trained role, counted in *trainer* steps (as verl counts).
 
@@ -201,6 +211,7 @@ class RoleConfig:
                                                    "the update; null = off, unless the start-up memory check turns it on "
                                                    "(rollout.memory_check)")
     recompute: Literal["none", "selective", "full"] = knob("none", "activation recomputation granularity")
+    lora: LoraConfig = section(LoraConfig, "low-rank adapters: train these instead of the weights (base frozen)")
 
 
 @dataclass
@@ -232,6 +243,8 @@ class CriticConfig(RoleConfig):
 class RefConfig:
     param_offload: Optional[bool] = knob(None, "keep the reference model on CPU between its forward passes; null = off, "
                                                "unless the start-up memory check turns it on (rollout.memory_check)")
+    separate_model: bool = knob(False, "with actor.lora: build a separate reference model instead of using the actor with "
+                                       "its adapters off (the default: no second model)")
 
 
 @dataclass

@@ -28,6 +28,21 @@ class BatchSizes:
     critic_responses_per_minibatch_per_dp_rank: int
 
 
+def _check_lora(cfg: Config) -> None:
+    """LoRA checkpoints: Megatron's sharded state dict describes the adapters as replicated, which
+    is right only where no adapter is split (tp = etp = 1, ep = 1); elsewhere a save would lose
+    shards, so it is refused (megarl.models.lora)."""
+    p, t = cfg.parallel, cfg.trainer
+    roles = [r for r in ("actor", "critic") if getattr(cfg, r).lora.rank > 0]
+    split = p.tp > 1 or p.ep > 1 or (p.etp or 1) > 1
+    if roles and split and t.save_every_steps > 0:
+        raise ConfigError(f"{roles[0]}.lora with parallel.tp/ep/etp > 1 cannot be checkpointed yet (the adapters' shards "
+                          f"are not described to Megatron's checkpoint): set trainer.save_every_steps=0 or use tp=ep=etp=1")
+    for r in roles:
+        if getattr(cfg, r).lora.target_modules == []:
+            raise ConfigError(f"{r}.lora.target_modules is empty: name projections (q_proj, ...) or null for all of them")
+
+
 def validate(cfg: Config, world_size: int | None = None) -> BatchSizes | None:
     """Check values (ranges, enums, cross-field rules); with `world_size`, also the layout arithmetic.
 
@@ -64,6 +79,7 @@ def validate(cfg: Config, world_size: int | None = None) -> BatchSizes | None:
     from megarl.placement import check_placement
 
     check_placement(cfg)
+    _check_lora(cfg)
     p = cfg.parallel
     # Accepted by ParallelDims, not yet by the engine's forward paths: refuse rather than run wrong.
     if p.cp != 1:

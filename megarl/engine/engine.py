@@ -24,7 +24,8 @@ from megarl.engine import micro_batches, offload
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.checkpointing import load_engine, save_engine
 from megarl.engine.forward import interleaved_count, model_forward, pipeline_forward, schedule_inputs
-from megarl.models import load_model_chunks, moe_routing
+from megarl.models import load_model_chunks, lora, moe_routing
+from megarl.models.lora import LoraOptions
 from megarl.models.moe_routing import RouterOptions
 from megarl.models.sequence_parallel import sequence_multiple
 from megarl.models.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
@@ -56,6 +57,7 @@ class EngineConfig:
     optimizer_offload: bool = False
     recompute: str = "none"  # none | selective (core attention) | full (every layer)
     routing: RouterOptions | None = None  # MoE routers: freeze, auxiliary loss, routing replay
+    lora: LoraOptions | None = None  # low-rank adapters (megarl.models.lora); None or rank 0: every weight trains
 
 
 # loss_fn(outputs, micro_batch_tensors, totals) -> (loss contribution, {metric: value})
@@ -83,6 +85,9 @@ class MegatronEngine:
         self.chunks, self.spec = load_model_chunks(model_dir, dims, dtype=cfg.dtype, critic=value_head, recompute=cfg.recompute,
                                                    routing=cfg.routing)
         self.model_dir = model_dir
+        self.lora = cfg.lora if cfg.lora is not None and cfg.lora.enabled else None
+        if self.lora is not None:  # before DDP: frozen base weights get no grad buffer, no optimizer state
+            lora.apply(self.chunks, self.spec, dims, self.lora)
         self.optimizer = self.scheduler = None
         self.optimizer_steps = 0
         if trainable:
@@ -233,9 +238,16 @@ class MegatronEngine:
 
     # --- forward only ---------------------------------------------------------------------------------
     def forward_only(self, batch: SequenceBatch, want: tuple[str, ...] = ("logprobs",), temperature: float = 1.0,
-                     banned_token_ids: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+                     banned_token_ids: tuple[int, ...] = (), adapters: bool = True) -> dict[str, torch.Tensor]:
         """Per-response-token log-probs (and entropy) or values, [n, response_len], on every rank.
-        temperature and banned_token_ids: the rollout's, so the log-probs are of the distribution it sampled."""
+        temperature and banned_token_ids: the rollout's, so the log-probs are of the distribution it sampled.
+        adapters=False: the base model under LoRA (the reference policy without a second model)."""
+        if adapters or self.lora is None:
+            return self._forward_only(batch, want, temperature, banned_token_ids)
+        with lora.disabled(self.chunks):
+            return self._forward_only(batch, want, temperature, banned_token_ids)
+
+    def _forward_only(self, batch, want, temperature, banned_token_ids) -> dict[str, torch.Tensor]:
         self.onload()
         self._set_mode(train=False)
         rows = list(range(len(batch)))
@@ -394,13 +406,16 @@ class MegatronEngine:
     # --- weights out --------------------------------------------------------------------------------------
     def export_hf(self):
         self.onload()
-        return export_hf(self.chunks, self.spec, self.dims, critic=self.value_head)
+        # Under LoRA: the merged model (W + scale * B @ A, merged in float32)
+        overrides = lora.merged_weights(self.chunks, self.spec, self.dims) if self.lora else None
+        return export_hf(self.chunks, self.spec, self.dims, critic=self.value_head, overrides=overrides)
 
     def local_weight_shards(self):
         """This rank's parameters for the weight sync; only they come back from the host (the
         gradients and optimizer state stay there: the sync only reads the parameters)."""
         self.onload(parts=("params",))
-        return local_weight_shards(self.chunks, self.spec, self.dims)
+        shards = local_weight_shards(self.chunks, self.spec, self.dims)
+        return lora.merged_shards(self.chunks, self.spec, self.dims, shards) if self.lora else shards
 
     # --- offload ----------------------------------------------------------------------------------------------
     def offload(self) -> dict[str, int]:

@@ -212,10 +212,13 @@ def _owner_ep(mapping: WeightMapping, spec: ModelSpec, dims: ParallelDims) -> in
 
 
 @torch.no_grad()
-def export_canonical(model: Chunks, spec: ModelSpec, dims: ParallelDims, mappings: list[WeightMapping] | None = None) -> Iterator[tuple[WeightMapping, torch.Tensor]]:
-    """Full canonical tensors, one at a time, identical on every rank (collective: all ranks iterate)."""
+def export_canonical(model: Chunks, spec: ModelSpec, dims: ParallelDims, mappings: list[WeightMapping] | None = None,
+                     overrides: dict[str, torch.Tensor] | None = None) -> Iterator[tuple[WeightMapping, torch.Tensor]]:
+    """Full canonical tensors, one at a time, identical on every rank (collective: all ranks iterate).
+    overrides: global name -> this rank's shard to export instead of the parameter (LoRA's merged weights)."""
     mappings = mappings if mappings is not None else exported_mappings(spec, dims.tp)
     local = {name: param for name, _, param in named_global_parameters(model, spec, dims)}
+    local.update(overrides or {})
     coords = dims.all_coordinates()
     dtype = next(model_chunks(model)[0].parameters()).dtype
     device = next(model_chunks(model)[0].parameters()).device
@@ -241,13 +244,14 @@ def export_canonical(model: Chunks, spec: ModelSpec, dims: ParallelDims, mapping
         yield mapping, full
 
 
-def export_hf(model: Chunks, spec: ModelSpec, dims: ParallelDims, critic: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf(model: Chunks, spec: ModelSpec, dims: ParallelDims, critic: bool = False,
+              overrides: dict[str, torch.Tensor] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for every weight of the HF checkpoint, streamed, on every rank.
 
     A critic exports its backbone plus the value head as `score.weight` / `score.bias` (the names
     of HF's `*ForSequenceClassification` heads), which `megarl.models.critic` loads back.
     """
-    for mapping, full in export_canonical(model, spec, dims, exported_mappings(spec, dims.tp, lm_head=not critic)):
+    for mapping, full in export_canonical(model, spec, dims, exported_mappings(spec, dims.tp, lm_head=not critic), overrides):
         yield from to_hf(mapping, full)
     if critic:
         yield from _value_head(model, dims)
@@ -275,7 +279,8 @@ def _umask() -> int:
 
 
 def save_hf_checkpoint(model: Chunks, spec: ModelSpec, dims: ParallelDims, out_dir: str | Path, source_dir: str | Path,
-                       max_shard_bytes: int = 2 << 30, critic: bool = False, banned_token_ids: Sequence[int] = ()) -> None:
+                       max_shard_bytes: int = 2 << 30, critic: bool = False, banned_token_ids: Sequence[int] = (),
+                       overrides: dict[str, torch.Tensor] | None = None) -> None:
     """Write an HF model directory (safetensors shards + config + tokenizer) from rank 0 (collective).
     banned_token_ids: the run's rollout.banned_token_ids, written as generation_config.json's
     suppress_tokens (`write_suppress_tokens`) so that `generate` samples the policy that was trained."""
@@ -300,7 +305,7 @@ def save_hf_checkpoint(model: Chunks, spec: ModelSpec, dims: ParallelDims, out_d
             weight_map.update({k: fname for k in shard})
         shard, shard_bytes = {}, 0
 
-    for name, tensor in export_hf(model, spec, dims, critic=critic):
+    for name, tensor in export_hf(model, spec, dims, critic=critic, overrides=overrides):
         if not write:
             continue
         shard[name] = tensor.cpu().contiguous()

@@ -174,6 +174,44 @@ def mlp_tensors(a: Arch, layer: int) -> list[Tensor]:
     return out
 
 
+def _adapter(name: str, inp: int, out: int, rank: int, kind: str, experts: int = 0) -> list[Tensor]:
+    """One projection's LoRA factors A [rank, in], B [out, rank], split as megarl.models.lora splits
+    them: a column-parallel layer's B and a row-parallel layer's A over TP, the other factor
+    replicated; expert factors with their experts (the replicated one counted split: a few KiB)."""
+    if experts:
+        return [Tensor(f"{name}.lora", rank * (inp + out), "expert", experts)]
+    a_split, b_split = ("rep", "tp") if kind == "column" else ("tp", "rep")
+    return [Tensor(f"{name}.lora_A", rank * inp, a_split), Tensor(f"{name}.lora_B", rank * out, b_split)]
+
+
+def lora_tensors(a: Arch, layer: int, rank: int) -> list[Tensor]:
+    """The adapters of one decoder layer with every linear layer targeted (actor.lora's default)."""
+    h, out = a.hidden, []
+    if a.mla:
+        q_out = a.heads * a.qk_head_dim
+        if a.q_lora_rank:
+            out += _adapter("q_a_proj", h, a.q_lora_rank, rank, "column") + _adapter("q_b_proj", a.q_lora_rank, q_out, rank, "column")
+        else:
+            out += _adapter("q_proj", h, q_out, rank, "column")
+        out += _adapter("kv_a_proj_with_mqa", h, a.kv_lora_rank + a.qk_rope_head_dim, rank, "column")
+        out += _adapter("kv_b_proj", a.kv_lora_rank, a.heads * (a.qk_nope_head_dim + a.v_head_dim), rank, "column")
+    else:
+        out += _adapter("q_proj", h, a.heads * a.head_dim, rank, "column")
+        out += 2 * _adapter("kv_proj", h, a.kv_heads * a.head_dim, rank, "column")
+    out += _adapter("o_proj", a.q_dim, h, rank, "row")
+
+    def mlp(name: str, f: int, experts: int = 0) -> list[Tensor]:
+        return (2 * _adapter(f"{name}.gate_up", h, f, rank, "column", experts)
+                + _adapter(f"{name}.down_proj", f, h, rank, "row", experts))
+
+    if not a.is_moe_layer(layer):
+        return out + mlp("mlp", a.ffn)
+    out += mlp("experts", a.moe_ffn, a.experts)
+    if a.shared_experts:
+        out += mlp("shared_experts", a.shared_experts * a.moe_ffn)
+    return out
+
+
 @functools.lru_cache(maxsize=4096)
 def layer_tensors(a: Arch, layer: int) -> tuple[Tensor, ...]:
     return tuple(attention_tensors(a) + mlp_tensors(a, layer))

@@ -25,7 +25,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from megarl.plan.arch import (Arch, Tensor, embedding_tensor, forward_flops_per_token, head_tensors, layer_tensors,
-                              params_active, params_mtp, params_total, stage_layers, train_flops_per_token)
+                              lora_tensors, params_active, params_mtp, params_total, stage_layers, train_flops_per_token)
 from megarl.layout import ParallelLayout, RolloutLayout, assign_rollout, check_model, check_rollout, hybridflow_bytes_per_rank
 from megarl.plan.hardware import GPU
 
@@ -75,6 +75,7 @@ class RunShape:
     mfu: float = 0.35  # assumed for training forward/backward
     gen_mfu: float = 0.10  # assumed for generation (decode is memory-bound)
     overhead_gib: float = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
+    lora_rank: int = 0  # actor.lora.rank (and the critic's): adapters train, the base is frozen; no ref engine
     rollout_workspace_gib: float = 2.0  # the rollout engine's activations and sampler
 
 
@@ -153,11 +154,29 @@ def engine_state(arch: Arch, lay: Layout, stage: int, run: RunShape, dp: int, ed
     """Bytes of one engine's parameters, gradients and optimizer state on a GPU of `stage`."""
     pbytes = DTYPE_BYTES[run.dtype]
     tensors = stage_tensors(arch, lay, stage, critic=(role == "critic"))
-    dense = [t for t in tensors if t.split != "expert"]
-    experts = [t for t in tensors if t.split == "expert"]
     if role == "ref":  # frozen: plain parameters
         return EngineState(params=sum(local_numel(t, lay) for t in tensors) * pbytes)
     dense_dp = dp * lay.cp
+    if run.lora_rank:
+        # The base is frozen: plain parameters, no gradient buffer, no optimizer state; only the
+        # adapters (and a critic's value head) are in DDP's buffers and the optimizer.
+        base = sum(local_numel(t, lay) for t in tensors if not t.name.startswith("value_head"))
+        tensors = tuple(lora_stage_tensors(arch, lay, stage, run.lora_rank)) + tuple(t for t in tensors if t.name.startswith("value_head"))
+        state = _trained_state(tensors, lay, dense_dp, edp, pbytes)
+        state.params += base * pbytes
+        return state
+    return _trained_state(tensors, lay, dense_dp, edp, pbytes)
+
+
+def lora_stage_tensors(arch: Arch, lay: Layout, stage: int, rank: int) -> list[Tensor]:
+    stages = stage_layers(arch.num_layers, lay.pp, lay.first_stage_layers, lay.last_stage_layers)
+    return [t for layer in stages[stage] for t in lora_tensors(arch, layer, rank)]
+
+
+def _trained_state(tensors, lay: Layout, dense_dp: int, edp: int, pbytes: int) -> EngineState:
+    """Parameters in DDP's buffers, fp32 gradient buffers, Adam state sharded over each group's DP."""
+    dense = [t for t in tensors if t.split != "expert"]
+    experts = [t for t in tensors if t.split == "expert"]
     d_buf = _buffer_numel([(local_numel(t, lay), 1) for t in dense], dense_dp)
     e_buf = _buffer_numel([(t.numel // lay.expert_tp, t.count // lay.ep) for t in experts], edp) if experts else 0
     # Adam moments (2 x fp32) + an fp32 master copy of bf16 weights, sharded over each group's DP.
@@ -232,7 +251,8 @@ def activation_bytes(arch: Arch, lay: Layout, stage: int, run: RunShape, critic:
 def plan(arch: Arch, lay: Layout, run: RunShape, cl: Cluster) -> dict:
     """Everything the CLI prints, as a JSON-able dict (bytes as GiB, seconds)."""
     dp, edp = check(arch, lay, cl)
-    roles = ["actor"] + (["critic"] if run.critic else []) + (["ref"] if run.ref else [])
+    # Under LoRA the reference is the actor with its adapters off: no engine of its own.
+    roles = ["actor"] + (["critic"] if run.critic else []) + (["ref"] if run.ref and not run.lora_rank else [])
     cap = cl.gpu.memory_gib * GIB
     train_rows, gen_rows, moved_rows = [], [], []
     for s in range(lay.pp):
@@ -247,7 +267,7 @@ def plan(arch: Arch, lay: Layout, run: RunShape, cl: Cluster) -> dict:
         act, logits = max(acts, key=sum)
         # During the updates every trainable engine is back on the GPU; the reference is offloaded
         # after its forward when param_offload is set.
-        ref_away = states["ref"].params if run.ref and run.param_offload else 0.0
+        ref_away = states["ref"].params if "ref" in states and run.param_offload else 0.0
         total = params - ref_away + grads + optim + act + logits + run.overhead_gib * GIB
         train_rows.append({"stage": s, "params": params - ref_away, "grads": grads, "optimizer": optim, "activations": act,
                            "logits": logits, "overhead": run.overhead_gib * GIB, "total": total})
@@ -305,7 +325,7 @@ def plan(arch: Arch, lay: Layout, run: RunShape, cl: Cluster) -> dict:
     def gib(d: dict) -> dict:
         return {k: (round(v / GIB, 6) if isinstance(v, (int, float)) and k != "stage" else v) for k, v in d.items()}
 
-    return {
+    report = {
         "fits": fits_train and fits_gen,
         "params_total": params_total(arch),
         "params_active": params_active(arch),
@@ -326,6 +346,17 @@ def plan(arch: Arch, lay: Layout, run: RunShape, cl: Cluster) -> dict:
         "sync": sync,
         "step_time_s": times,
     }
+    if run.lora_rank:
+        report["lora"] = lora_summary(arch, run.lora_rank, train)
+    return report
+
+
+def lora_summary(arch: Arch, rank: int, train: dict) -> dict:
+    """Adapter parameters (the model's, all layers), the frozen base, and what the adapters cost per
+    GPU on the fullest stage: their gradients (fp32 buffer) and Adam state (the base has neither)."""
+    adapters = sum(t.numel * t.count for i in range(arch.num_layers) for t in lora_tensors(arch, i, rank))
+    return {"rank": rank, "adapter_params": adapters, "base_params_frozen": params_total(arch),
+            "adapter_grads_gib": round(train["grads"] / GIB, 6), "adapter_optimizer_gib": round(train["optimizer"] / GIB, 6)}
 
 
 def _overlap(t: int, j: int, G: int, q: int) -> float:

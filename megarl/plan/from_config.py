@@ -40,6 +40,7 @@ def planner_inputs(cfg: Config, **run_overrides) -> tuple[str, Layout, RunShape]
         optimizer_offload="phases" if a.optimizer_offload else "none",
         dtype=cfg.model.dtype,
         gpu_memory_fraction=r.gpu_memory_utilization,
+        lora_rank=a.lora.rank,
     )
     shape.update(run_overrides)
     return cfg.model.path, lay, RunShape(**shape)

@@ -66,6 +66,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--ppo-epochs", type=int, default=1)
     run.add_argument("--critic", action="store_true", help="GAE: a critic engine beside the actor")
     run.add_argument("--no-ref", dest="ref", action="store_false", help="no KL reference engine")
+    run.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank train (actor.lora.rank); the base is "
+                     "frozen and the reference is the actor with its adapters off")
     run.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="training weights")
     run.add_argument("--mfu", type=float, default=0.35, help="assumed MFU of training forward/backward")
     run.add_argument("--gen-mfu", type=float, default=0.10, help="assumed MFU of generation (memory-bound)")
@@ -84,6 +86,8 @@ def _positive(args) -> None:
                  "prompt_len", "response_len", "micro_batch_tokens", "ppo_epochs"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.lora_rank < 0:
+        raise ValueError(f"--lora-rank must be at least 0, got {args.lora_rank}")
     if args.etp is not None and args.etp < 1:
         raise ValueError(f"--etp must be at least 1, got {args.etp}")
     if not 0 < args.gpu_memory_fraction <= 1:
@@ -105,7 +109,8 @@ def build(args) -> tuple:
                      response_len=args.response_len, max_tokens_per_microbatch=args.micro_batch_tokens, ppo_epochs=args.ppo_epochs,
                      critic=args.critic, ref=args.ref, recompute=args.recompute, param_offload=args.param_offload,
                      grad_offload=args.grad_offload, optimizer_offload=args.optimizer_offload, dtype=args.dtype,
-                     gpu_memory_fraction=args.gpu_memory_fraction, mfu=args.mfu, gen_mfu=args.gen_mfu, overhead_gib=args.overhead_gb)
+                     gpu_memory_fraction=args.gpu_memory_fraction, mfu=args.mfu, gen_mfu=args.gen_mfu, overhead_gib=args.overhead_gb,
+                     lora_rank=args.lora_rank)
     cluster = Cluster(args.gpus, args.gpus_per_node, table[args.gpu])
     if args.gpus_per_node > args.gpus and args.gpus > 1:
         cluster = Cluster(args.gpus, args.gpus, table[args.gpu])
@@ -149,6 +154,11 @@ def render(report: dict) -> str:
                      f"{pl['separate_async_over_colocated_sync']:.2f}x colocated); idle async: rollout "
                      f"{100 * pl['idle_fraction']['separate_async']['rollout']:.0f}%, training "
                      f"{100 * pl['idle_fraction']['separate_async']['train']:.0f}%")
+    if "lora" in report:
+        lo = report["lora"]
+        lines.append(f"LoRA rank {lo['rank']}: {lo['adapter_params'] / 1e6:.1f}M adapter parameters train (grads "
+                     f"{lo['adapter_grads_gib']:.3f} + optimizer {lo['adapter_optimizer_gib']:.3f} GiB per GPU), "
+                     f"{lo['base_params_frozen'] / 1e9:.2f}B base parameters frozen (no grads, no optimizer state, no reference copy)")
     lines += [f"does not fit: {p}" for p in report["problems"]]
     if "search" in report:
         lines.append("layouts that fit, fastest first:" if report["search"] else "no layout of the search fits")

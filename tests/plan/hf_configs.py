@@ -14,6 +14,8 @@ QWEN25_05B = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hid
 LLAMA31_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672,
                "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
                "tie_word_embeddings": False}
+# Llama-3-70B(-Instruct): Llama-3.1-70B's dimensions, 8k context
+LLAMA3_70B = {**LLAMA31_70B, "rope_theta": 500000.0, "max_position_embeddings": 8192}
 QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096, "intermediate_size": 12288,
             "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
             "tie_word_embeddings": False, "attention_bias": False}

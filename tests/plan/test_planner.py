@@ -3,6 +3,7 @@ published DeepSeek-V3 layouts fit and an impossible one does not (naming the pha
 numbers), the shipped configs fit their stated cluster, FLOPs by hand, the CLI's interface."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -10,8 +11,9 @@ import sys
 import pytest
 
 from conftest import REPO
-from hf_configs import DEEPSEEK_V3, GLM45, PUBLISHED_PARAMS, QWEN3_235B, QWEN25_05B, QWEN25_7B, write
+from hf_configs import DEEPSEEK_V3, GLM45, LLAMA3_70B, PUBLISHED_PARAMS, QWEN3_235B, QWEN25_05B, QWEN25_7B, write
 from megarl.plan import Cluster, GPUS, Layout, RunShape, arch_from_config, plan, search, train_flops_per_token
+from megarl.plan.estimate import GIB
 from megarl.plan.arch import forward_flops_per_token, params_mtp, params_total, stage_layers
 from megarl.plan.from_config import load_run_config, planner_inputs
 
@@ -139,7 +141,9 @@ SHIPPED = {"qwen2.5-0.5b-gsm8k.yaml": (QWEN25_05B, Cluster(1, 1, GPUS["h100-80gb
            # issue 14's 671B-class configs: 32 nodes of 8 H100s each (their headers)
            "deepseek-v3-671b.yaml": (DEEPSEEK_V3, Cluster(256, 8, GPUS["h100-80gb"])),
            "glm-4.5-355b.yaml": (GLM45, Cluster(256, 8, GPUS["h100-80gb"])),
-           "qwen3-235b-a22b.yaml": (QWEN3_235B, Cluster(256, 8, GPUS["h100-80gb"]))}
+           "qwen3-235b-a22b.yaml": (QWEN3_235B, Cluster(256, 8, GPUS["h100-80gb"])),
+           # issue 26: LoRA on one node of 8 H100s
+           "llama-3-70b-lora.yaml": (LLAMA3_70B, Cluster(8, 8, GPUS["h100-80gb"]))}
 
 
 def test_shipped_configs_fit_their_stated_cluster(tmp_path):
@@ -155,6 +159,28 @@ def test_shipped_configs_fit_their_stated_cluster(tmp_path):
         p = load_run_config(path).parallel
         assert (lay.first_stage_layers, lay.last_stage_layers, lay.vpp) == (
             p.first_stage_layers, p.last_stage_layers, p.vpp or 1), path.name
+
+
+def test_lora_70b_fits_one_node_where_full_weights_do_not():
+    """configs/llama-3-70b-lora.yaml: adapters of rank 32 fit 8 x H100 80 GB; the same run training
+    every weight needs about twice the memory. Hand-worked adapter count: per layer, rank x (in + out)
+    of q (8192 -> 8192), k and v (8192 -> 1024), o (8192 -> 8192), gate and up (8192 -> 28672),
+    down (28672 -> 8192) = 32 x 161,792 = 5,177,344; x 80 layers = 414,187,520."""
+    cfg = load_run_config(REPO / "configs" / "llama-3-70b-lora.yaml")
+    _, lay, run = planner_inputs(cfg)
+    cluster = Cluster(8, 8, GPUS["h100-80gb"])
+    lora = plan(arch_from_config(LLAMA3_70B), lay, run, cluster)
+    full = plan(arch_from_config(LLAMA3_70B), lay, dataclasses.replace(run, lora_rank=0), cluster)
+    assert lora["fits"] and not full["fits"], (lora["problems"], full["problems"])
+    assert lora["lora"]["adapter_params"] == 32 * (2 * 8192 + 2 * (8192 + 1024) + 2 * 8192 + 2 * (8192 + 28672) + 28672 + 8192) * 80
+    assert lora["lora"]["adapter_params"] == 414_187_520
+    lt, ft = lora["memory_gib"]["training"], full["memory_gib"]["training"]
+    # grads (fp32) and Adam state (+ fp32 master, bf16 weights) scale with the trained parameters:
+    # adapters sharded 8 ways over tp (the replicated factor whole): per GPU between 1/8 and all of them
+    assert 414_187_520 * 4 / 8 / GIB < lt["grads"] < 414_187_520 * 4 / GIB
+    assert lt["optimizer"] == pytest.approx(lt["grads"] * 3, rel=0.01)  # 12 B vs 4 B per parameter, dp = 1
+    assert ft["grads"] > 30 * lt["grads"]
+    assert full["memory_gib"]["training"]["total"] > 2 * lt["total"]
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -1,0 +1,63 @@
+"""actor.lora / critic.lora in the config: defaults off, one-line refusals (targets the model lacks,
+checkpoints of split adapters), and the engine options the trainer builds from them."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from conftest import REPO
+from megarl.config import ConfigError, load_config, validate
+from megarl.config.inputs import check_model_layout
+
+sys.path.insert(0, str(REPO / "tests" / "plan"))
+from hf_configs import QWEN3_235B, QWEN25_7B  # noqa: E402
+
+BASE = ["model.path=m", "data.train_files=[t.parquet]"]
+
+
+def test_lora_is_off_by_default_and_reaches_the_engines():
+    from megarl.trainer import engine_config
+
+    cfg = load_config(None, BASE)
+    assert cfg.actor.lora.rank == 0 and cfg.critic.lora.rank == 0 and engine_config(cfg, "actor", 10).lora is None
+    cfg = load_config(None, BASE + ["actor.lora.rank=8", "actor.lora.alpha=16", "actor.lora.target_modules=[q_proj,v_proj]",
+                                    "critic.lora.rank=4", "trainer.seed=3"])
+    actor, critic = engine_config(cfg, "actor", 10).lora, engine_config(cfg, "critic", 10).lora
+    assert (actor.rank, actor.scale, actor.target_modules, actor.seed, actor.key) == (8, 2.0, ("q_proj", "v_proj"), 3, "actor.lora")
+    assert (critic.rank, critic.target_modules, critic.key) == (4, None, "critic.lora")
+    assert engine_config(cfg, "ref", 10).lora is None
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["actor.lora.rank=8", "parallel.tp=2", "trainer.save_every_steps=5"],
+     "actor.lora with parallel.tp/ep/etp > 1 cannot be checkpointed yet"),
+    (["critic.lora.rank=8", "parallel.ep=2", "trainer.save_every_steps=5"], "critic.lora with parallel.tp/ep/etp > 1"),
+    (["actor.lora.rank=8", "actor.lora.target_modules=[]"], "actor.lora.target_modules is empty"),
+    (["actor.lora.rank=-1"], "actor.lora.rank"),
+])
+def test_bad_lora_settings_are_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        validate(load_config(None, BASE + overrides))
+    assert "\n" not in str(err.value)
+
+
+def test_split_adapters_without_checkpoints_validate():
+    validate(load_config(None, BASE + ["actor.lora.rank=8", "parallel.tp=2"]), world_size=2)
+
+
+@pytest.mark.parametrize("hf,overrides,message", [
+    (QWEN25_7B, ["actor.lora.rank=8", "actor.lora.target_modules=[q_proj,w1]"],
+     "actor.lora.target_modules: w1 not in this qwen2 model; choose from q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"),
+    (QWEN3_235B, ["critic.lora.rank=8", "critic.lora.target_modules=[kv_b_proj]"], "critic.lora.target_modules: kv_b_proj not in"),
+])
+def test_targets_the_model_lacks_are_refused_at_start_up(tmp_path, hf, overrides, message):
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    cfg = load_config(None, [f"model.path={tmp_path}", "data.train_files=[t.parquet]", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        check_model_layout(cfg)
+    # the experts' projections are targets of a MoE model
+    ok = load_config(None, [f"model.path={tmp_path}", "data.train_files=[t.parquet]", "actor.lora.rank=8",
+                            "actor.lora.target_modules=[q_proj,down_proj]"])
+    check_model_layout(ok)
