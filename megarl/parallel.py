@@ -154,6 +154,14 @@ class ParallelDims:
         return self._state().get_data_parallel_rank()
 
     @property
+    def cp_rank(self) -> int:
+        return self._state().get_context_parallel_rank()
+
+    @property
+    def cp_group(self):
+        return self._state().get_context_parallel_group()
+
+    @property
     def ep_rank(self) -> int:
         return self._state().get_expert_model_parallel_rank()
 
