@@ -8,6 +8,7 @@ group lifetime (groups rebuilt per layout). With 2 ranks:
             at cp2 and at dp2 (= one process, tests/engine): grad norms, metrics, exported weights;
   ckpt      the cp2 actor's distributed checkpoint, loaded at dp2 (exported weights bit-equal), then
             a second update at dp2 and at cp2 (continuing), which must agree.
+  cli       `megarl.tools.logprobs --cp 2` on --models[0] (it ends the process group), with --cli-dir.
 With 4 ranks, `logprobs` at cp2 x tp2 and the updates at cp2 x tp2 against tp2 x dp2.
 
 Results (rank 0) to --out with torch.save.
@@ -99,6 +100,7 @@ def main() -> None:
     p.add_argument("--train-model", required=True)
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--cli-dir", help="run megarl.tools.logprobs --cp 2 on CLI_DIR/in.jsonl into CLI_DIR/out.jsonl")
     args = p.parse_args()
     world = int(os.environ["WORLD_SIZE"])
     tp = 2 if world == 4 else 1
@@ -128,6 +130,12 @@ def main() -> None:
     if dist.get_rank() == 0:
         torch.save(result, args.out)
     dist.barrier()
+    if args.cli_dir:
+        from megarl.tools.logprobs import main as logprobs_main
+
+        cli = Path(args.cli_dir)
+        raise SystemExit(logprobs_main(["--model", args.models[0], "--cp", "2", "--tp", str(tp), "--input", str(cli / "in.jsonl"),
+                                        "--output", str(cli / "out.jsonl")]))
     dist.destroy_process_group()
 
 

@@ -4,7 +4,10 @@ layout under CP, the config refusals, and (torchrun) every family's log-probs ag
 the actor/critic update against one process and a checkpoint moving from cp2 to dp2."""
 from __future__ import annotations
 
+import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +19,8 @@ from megarl.engine.micro_batches import _packed
 from megarl.models.context_parallel import _attend, cp_index, cp_plan, gathered_order
 
 from conftest import FAMILIES, FAMILIES_671B, REPO, make_model, torchrun
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # cp_worker's transformers reference
 
 
 def test_cp_index_by_hand():
@@ -99,9 +104,19 @@ def test_cp2_logprobs_updates_and_checkpoint(tmp_path):
     models = [make_model(tmp_path / a, a, vocab_size=301, tie=(a == "llama"), seed=i)
               for i, a in enumerate(FAMILIES + FAMILIES_671B)]
     out = tmp_path / "cp.pt"
+    cli_sequences = [[5, 17, 230, 4, 9, 88, 1], [300, 2, 41], list(range(40, 53))]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in cli_sequences))
     torchrun(2, ["tests/models/cp_worker.py", "--models", *map(str, models), "--train-model", str(models[2]),
-                 "--ckpt", str(tmp_path / "ckpt"), "--out", str(out)], timeout=900)
+                 "--ckpt", str(tmp_path / "ckpt"), "--out", str(out), "--cli-dir", str(tmp_path)], timeout=900)
     r = torch.load(out, weights_only=False)
+    # megarl.tools.logprobs --cp 2 (llama) against transformers
+    from cp_worker import hf_reference
+
+    got = [json.loads(line)["logprobs"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    want, _ = hf_reference(str(models[0]), cli_sequences)
+    assert [len(g) for g in got] == [len(s) - 1 for s in cli_sequences]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(torch.tensor(g), w, rtol=0, atol=1e-4)
     assert set(r["logprobs"]) == set(FAMILIES + FAMILIES_671B)  # MoE (mixtral, qwen3_moe) and MLA (deepseek_v3) included
     for family, diff in r["logprobs"].items():
         assert diff["logprobs"] < 1e-4 and diff["entropy"] < 1e-4, (family, diff)
