@@ -4,10 +4,11 @@ group lifetime (groups rebuilt per layout). With 2 ranks:
   logprobs  for every model of --models: forward-only log-probs and entropy of a packed batch at cp2
             (sequences of odd lengths, several per micro-batch, a filler row), against transformers'
             computed here (float32);
-  update    one actor and one critic update (tests/engine/engine_worker.py's fixed batch and losses)
+  update    one critic and one actor update (tests/engine/engine_worker.py's fixed batch and losses)
             at cp2 and at dp2 (= one process, tests/engine): grad norms, metrics, exported weights;
-  ckpt      the cp2 actor's distributed checkpoint, loaded at dp2 (exported weights bit-equal), then
-            a second update at dp2 and at cp2 (continuing), which must agree.
+  ckpt      the cp2 actor's distributed checkpoint after that update, loaded by the dp2 actor
+            (exported weights bit-equal to the saved ones), then a second update on each side
+            (the cp2 one continuing), which must agree.
   cli       `megarl.tools.logprobs --cp 2` on --models[0] (it ends the process group), with --cli-dir.
 With 4 ranks, `logprobs` at cp2 x tp2 and the updates at cp2 x tp2 against tp2 x dp2.
 
@@ -72,24 +73,28 @@ def logprob_diffs(model_dir: str, layout: dict, budget: int) -> dict:
     return {"logprobs": lp_diff, "entropy": ent_diff}
 
 
-def engine_for(model: str, layout: dict) -> tuple[MegatronEngine, object]:
-    dims = dims_from_env(**layout).initialize()
-    cfg = EngineConfig(optim=OptimConfig(lr=1e-3, max_grad_norm=0.0, weight_decay=0.0), max_tokens_per_microbatch=24)
-    return MegatronEngine(model, dims, cfg), dims
-
-
 def weights(engine) -> dict[str, torch.Tensor]:
     return {name: t.clone() for name, t in engine.export_hf()}
 
 
-def updates(model: str, layout: dict) -> dict:
+def updates(model: str, layout: dict, ckpt: str, save: bool) -> dict:
+    """The critic's update, then the actor's; the actor then saves (save) or loads (not save) the
+    checkpoint `ckpt` and makes a second update."""
     out = {}
-    for role in ("actor", "critic"):
+    for role in ("critic", "actor"):
         dims = dims_from_env(**layout).initialize()
         cfg = EngineConfig(optim=OptimConfig(lr=1e-3, max_grad_norm=0.0, weight_decay=0.0), max_tokens_per_microbatch=24)
         engine = MegatronEngine(model, dims, cfg, value_head=role == "critic")
         stats = update(engine, dims, 0, critic=role == "critic")
         out[role] = dict(grad_norms=stats.grad_norms, metrics=stats.metrics, weights=weights(engine))
+        if role == "actor":
+            if save:
+                engine.save(ckpt)
+            else:
+                engine.load(ckpt)
+                out["loaded"] = weights(engine)
+            second = update(engine, dims, 1, critic=False)
+            out["second"] = dict(grad_norms=second.grad_norms, weights=weights(engine))
         dims.destroy()
     return out
 
@@ -109,24 +114,9 @@ def main() -> None:
     for model in args.models:
         # budget 24: several sequences per micro-batch (padded to 4 each), a filler row
         result["logprobs"][Path(model).name] = logprob_diffs(model, cp_layout, 24)
-    result["cp"] = updates(args.train_model, cp_layout)
-    result["ref"] = updates(args.train_model, ref_layout)
-
-    # checkpoint written at cp2, resumed at dp2; the cp2 engine trains on too
-    engine, dims = engine_for(args.train_model, cp_layout)
-    update(engine, dims, 0, critic=False)
-    engine.save(args.ckpt)
-    saved = weights(engine)
-    second = update(engine, dims, 1, critic=False)
-    result["ckpt_cp"] = dict(grad_norms=second.grad_norms, weights=weights(engine))
-    dims.destroy()
-    engine, dims = engine_for(args.train_model, ref_layout)
-    engine.load(args.ckpt)
-    loaded = weights(engine)
-    second = update(engine, dims, 1, critic=False)
-    result["ckpt_dp"] = dict(grad_norms=second.grad_norms, weights=weights(engine),
-                             loaded_exactly=all(torch.equal(loaded[k], saved[k]) for k in saved) and loaded.keys() == saved.keys())
-    dims.destroy()
+    # checkpoint written at cp2 after the first update, loaded at dp2 (tp2 x dp2 with 4 ranks)
+    result["cp"] = updates(args.train_model, cp_layout, args.ckpt, save=True)
+    result["ref"] = updates(args.train_model, ref_layout, args.ckpt, save=False)
     if dist.get_rank() == 0:
         torch.save(result, args.out)
     dist.barrier()
