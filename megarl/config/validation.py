@@ -82,6 +82,11 @@ def _check_context_parallel(cfg: Config) -> None:
                           f"sequences; Megatron's padded-input CP RoPE pins host memory, which the CPU build refuses)")
     if p.pp != 1:
         raise ConfigError(f"parallel.cp = {p.cp} with parallel.pp = {p.pp} is not built yet; use parallel.pp=1 with context parallelism")
+    if cfg.actor.moe_aux_loss_coeff > 0:
+        # Megatron scales the auxiliary loss's gradient by cp itself (MoEAuxLossAutoScaler), on top of
+        # megarl's dp * cp loss scale: not checked against one process yet.
+        raise ConfigError(f"parallel.cp = {p.cp} with actor.moe_aux_loss_coeff > 0 is not built yet; set "
+                          f"actor.moe_aux_loss_coeff=0 (the RL default) with context parallelism")
     if p.tp > 1 and getattr(p, "sequence_parallel", False):
         raise ConfigError(f"parallel.cp = {p.cp} with parallel.tp = {p.tp} and parallel.sequence_parallel=true is not "
                           f"built yet; set parallel.sequence_parallel=false, or parallel.tp=1")

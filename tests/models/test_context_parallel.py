@@ -95,7 +95,8 @@ def _cfg(*overrides):
 def test_config_accepts_cp_and_refuses_what_is_not_built():
     assert validate(_cfg("parallel.cp=2", "model.sequence_packing=true"), world_size=2).dp == 1
     for overrides, words in ((["model.sequence_packing=false"], "model.sequence_packing=true"),
-                             (["model.sequence_packing=true", "parallel.pp=2"], "parallel.pp=1")):
+                             (["model.sequence_packing=true", "parallel.pp=2"], "parallel.pp=1"),
+                             (["model.sequence_packing=true", "actor.moe_aux_loss_coeff=0.01"], "actor.moe_aux_loss_coeff=0")):
         with pytest.raises(ConfigError, match=words) as err:
             validate(_cfg("parallel.cp=2", *overrides), world_size=4)
         assert "\n" not in str(err.value)
