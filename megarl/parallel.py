@@ -198,6 +198,16 @@ class ParallelDims:
         return self._state().get_model_parallel_group()
 
     @property
+    def batch_group(self):
+        """The ranks that share this rank's data-parallel batch: the model-parallel group (tp x pp)
+        and, under context parallelism (pp 1 there), the CP ranks: Megatron's tensor-and-context group."""
+        if self.cp == 1:
+            return self.mp_group
+        if self.pp != 1:
+            raise NotImplementedError("context parallelism with pipeline parallelism is not built")
+        return self._state().get_tensor_and_context_parallel_group()
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 

@@ -166,7 +166,9 @@ class Trainer:
         self.weight_path = setup.weight_path  # "direct" or "full" (megarl.rollout.RolloutSetup)
         self.hybrid = HybridEngine(self._actor_shards(), train=dims.layout,
                                    rollout=setup.weight_layout, bucket_bytes=r.bucket_bytes, convert=setup.convert)
-        self.dispatch = DispatchGroups(mp_group=dims.mp_group, mp_rank=dist.get_rank(dims.mp_group), mp_size=dist.get_world_size(dims.mp_group),
+        # the ranks holding one DP batch split its prompts (CP ranks too: each generates its share, not all)
+        batch_group = dims.batch_group
+        self.dispatch = DispatchGroups(mp_group=batch_group, mp_rank=dist.get_rank(batch_group), mp_size=dist.get_world_size(batch_group),
                                        rollout_group=groups.group, rollout_rank=groups.rank, rollout_size=groups.size)
         stop = stop_token_ids(r, self.tokenizer.eos_token_id)
         for key, ids in (("rollout.stop_token_ids", stop), ("rollout.banned_token_ids", r.banned_token_ids)):
