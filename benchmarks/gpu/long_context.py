@@ -18,7 +18,6 @@ of one actor update (`train_step`), and the peak device memory of that update.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time

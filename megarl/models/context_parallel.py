@@ -55,8 +55,9 @@ class CPPlan:
     """One micro-batch's CP attention as index tensors, the same for every layer (cached on the
     PackedSeqParams, as `packed_attention.length_groups` is).
 
-    groups: per distinct segment length L, (local query rows [n, 2c], gathered key rows [n, Lk],
-    allowed [2c, Lk]) with Lk = (2*cp-r)*c, the last key any of this rank's queries sees."""
+    groups: per distinct segment length L and per local chunk (global chunk k = r, then 2*cp-1-r),
+    (local query rows [n, c], gathered key rows [n, (k+1)*c], allowed [c, (k+1)*c]): each chunk
+    attends only to the keys up to its own end (5c^2 score entries per rank at cp2, not 2c x 4c)."""
 
     cp: int
     rank: int
@@ -84,14 +85,15 @@ def cp_plan(packed_seq_params, cp: int, rank: int, device: torch.device) -> CPPl
     groups = []
     for length, members in sorted(by_length.items()):
         c = length // (2 * cp)
-        keys = (2 * cp - rank) * c
         starts = torch.tensor([s for s, _ in members], device=device)
         locals_ = torch.tensor([l for _, l in members], device=device)
-        q_rows = locals_.unsqueeze(1) + torch.arange(2 * c, device=device)  # [n, 2c]
-        k_rows = where[starts.unsqueeze(1) + torch.arange(keys, device=device)]  # [n, Lk] in the gathered tensor
-        q_pos = torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
-        allowed = (torch.arange(keys).unsqueeze(0) <= q_pos.unsqueeze(1)).to(device)  # [2c, Lk]: causal, by position
-        groups.append((q_rows, k_rows, allowed))
+        for j, chunk in enumerate((rank, 2 * cp - 1 - rank)):  # local chunk j holds global chunk `chunk`
+            keys = (chunk + 1) * c
+            q_rows = locals_.unsqueeze(1) + j * c + torch.arange(c, device=device)  # [n, c]
+            k_rows = where[starts.unsqueeze(1) + torch.arange(keys, device=device)]  # [n, keys] in the gathered tensor
+            q_pos = torch.arange(chunk * c, keys)
+            allowed = (torch.arange(keys).unsqueeze(0) <= q_pos.unsqueeze(1)).to(device)  # [c, keys]: causal, by position
+            groups.append((q_rows, k_rows, allowed))
     plan = CPPlan(cp, rank, local, tuple(groups))
     setattr(packed_seq_params, _CACHE, plan)
     return plan
@@ -102,11 +104,11 @@ def _attend(plan: CPPlan, q, k_all, v_all, heads: int, groups: int, scale: float
     out = q.new_zeros(q.shape[0], heads * v_all.shape[-1])
     repeat = heads // groups
     for q_rows, k_rows, allowed in plan.groups:
-        qg = q[q_rows].permute(0, 2, 1, 3)  # [n, heads, 2c, dk]
-        kg, vg = (t[k_rows].permute(0, 2, 1, 3) for t in (k_all, v_all))  # [n, groups, Lk, d]
+        qg = q[q_rows].permute(0, 2, 1, 3)  # [n, heads, c, dk]
+        kg, vg = (t[k_rows].permute(0, 2, 1, 3) for t in (k_all, v_all))  # [n, groups, keys, d]
         if repeat > 1:
             kg, vg = (t.repeat_interleave(repeat, dim=1) for t in (kg, vg))
-        ctx = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=allowed, scale=scale)  # [n, heads, 2c, dv]
+        ctx = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=allowed, scale=scale)  # [n, heads, c, dv]
         out = out.index_put((q_rows.reshape(-1),), ctx.permute(0, 2, 1, 3).reshape(-1, heads * v_all.shape[-1]))
     return out
 
