@@ -83,7 +83,9 @@ def updates(model: str, layout: dict, ckpt: str, save: bool) -> dict:
     out = {}
     for role in ("critic", "actor"):
         dims = dims_from_env(**layout).initialize()
-        cfg = EngineConfig(optim=OptimConfig(lr=1e-3, max_grad_norm=0.0, weight_decay=0.0), max_tokens_per_microbatch=24)
+        # Adam's eps = 1: the update is ~lr * g, smooth in the gradient, so the weights compare the
+        # gradients (with eps 1e-8 an entry whose gradient is ~0 moves by +-lr on rounding noise)
+        cfg = EngineConfig(optim=OptimConfig(lr=1e-3, max_grad_norm=0.0, weight_decay=0.0, eps=1.0), max_tokens_per_microbatch=24)
         engine = MegatronEngine(model, dims, cfg, value_head=role == "critic")
         stats = update(engine, dims, 0, critic=role == "critic")
         out[role] = dict(grad_norms=stats.grad_norms, metrics=stats.metrics, weights=weights(engine))
