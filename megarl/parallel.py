@@ -158,6 +158,14 @@ class ParallelDims:
         return self._state().get_data_parallel_rank()
 
     @property
+    def cp_rank(self) -> int:
+        return self._state().get_context_parallel_rank()
+
+    @property
+    def cp_group(self):
+        return self._state().get_context_parallel_group()
+
+    @property
     def ep_rank(self) -> int:
         return self._state().get_expert_model_parallel_rank()
 
@@ -192,6 +200,16 @@ class ParallelDims:
     @property
     def mp_group(self):
         return self._state().get_model_parallel_group()
+
+    @property
+    def batch_group(self):
+        """The ranks that share this rank's data-parallel batch: the model-parallel group (tp x pp)
+        and, under context parallelism (pp 1 there), the CP ranks: Megatron's tensor-and-context group."""
+        if self.cp == 1:
+            return self.mp_group
+        if self.pp != 1:
+            raise NotImplementedError("context parallelism with pipeline parallelism is not built")
+        return self._state().get_tensor_and_context_parallel_group()
 
     @property
     def is_first_stage(self) -> bool:

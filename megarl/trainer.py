@@ -190,7 +190,9 @@ class Trainer:
         self.hybrid = HybridEngine(self._actor_shards(), train=dims.layout,
                                    rollout=setup.weight_layout, bucket_bytes=r.bucket_bytes, convert=setup.convert, separate=separate)
         groups = setup.groups
-        self.dispatch = DispatchGroups(mp_group=dims.mp_group, mp_rank=dist.get_rank(dims.mp_group), mp_size=dist.get_world_size(dims.mp_group),
+        # the ranks holding one DP batch split its prompts (CP ranks too: each generates its share, not all)
+        batch_group = dims.batch_group
+        self.dispatch = DispatchGroups(mp_group=batch_group, mp_rank=dist.get_rank(batch_group), mp_size=dist.get_world_size(batch_group),
                                        rollout_group=groups.group, rollout_rank=groups.rank, rollout_size=groups.size)
         # separate placement: requests up to async.max_staleness steps ahead (megarl.async_rollout)
         self.schedule = (AsyncSchedule(self.rollout, self.dispatch, cfg.async_.max_staleness, t.total_steps)

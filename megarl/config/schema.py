@@ -106,7 +106,8 @@ class ParallelConfig:
                                                     "holds the embedding); null = an even share", ge=1)
     last_stage_layers: Optional[int] = knob(None, "layers of the last pipeline stage when it is to hold fewer (it also "
                                                    "holds the output layer and the loss); null = an even share", ge=1)
-    cp: int = knob(1, "context-parallel size (long sequences)", ge=1)
+    cp: int = knob(1, "context-parallel size: each packed sequence split over cp GPUs (long sequences; needs "
+                          "model.sequence_packing=true and pp=1; docs/long_context.md)", ge=1)
     sequence_parallel: bool = knob(True, "sequence parallelism at tp > 1 (Megatron's sequence_parallel, as in the verl, "
                                          "NeMo-RL and Megatron-Bridge recipes): norms, dropout and MoE routing run on 1/tp "
                                          "of the tokens; needed to train MoE models at tp > 1; no effect at tp 1")

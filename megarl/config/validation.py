@@ -81,9 +81,8 @@ def validate(cfg: Config, world_size: int | None = None) -> BatchSizes | None:
     check_placement(cfg)
     _check_lora(cfg)
     p = cfg.parallel
-    # Accepted by ParallelDims, not yet by the engine's forward paths: refuse rather than run wrong.
     if p.cp != 1:
-        raise ConfigError(f"parallel.cp = {p.cp}: context parallelism is not supported by the trainer yet; use parallel.cp=1")
+        _check_context_parallel(cfg)
     try:  # the layout's own checks (megarl.layout): degrees, and the rollout engine's tp, before any model exists
         check_degrees(p.tp, p.pp, p.cp, p.ep, p.etp, p.vpp, p.first_stage_layers, p.last_stage_layers)
         check_rollout(cfg.rollout.engine, cfg.rollout.tp)
@@ -94,6 +93,24 @@ def validate(cfg: Config, world_size: int | None = None) -> BatchSizes | None:
     from megarl.placement import training_world
 
     return _check_layout(cfg, training_world(cfg, world_size))
+
+
+def _check_context_parallel(cfg: Config) -> None:
+    """What context parallelism (megarl.engine.context_parallel) is built for; the rest is refused here."""
+    p = cfg.parallel
+    if not cfg.model.sequence_packing:
+        raise ConfigError(f"parallel.cp = {p.cp} needs model.sequence_packing=true (context parallelism splits packed "
+                          f"sequences; Megatron's padded-input CP RoPE pins host memory, which the CPU build refuses)")
+    if p.pp != 1:
+        raise ConfigError(f"parallel.cp = {p.cp} with parallel.pp = {p.pp} is not built yet; use parallel.pp=1 with context parallelism")
+    if cfg.actor.moe_aux_loss_coeff > 0:
+        # Megatron scales the auxiliary loss's gradient by cp itself (MoEAuxLossAutoScaler), on top of
+        # megarl's dp * cp loss scale: not checked against one process yet.
+        raise ConfigError(f"parallel.cp = {p.cp} with actor.moe_aux_loss_coeff > 0 is not built yet; set "
+                          f"actor.moe_aux_loss_coeff=0 (the RL default) with context parallelism")
+    if p.tp > 1 and p.sequence_parallel:
+        raise ConfigError(f"parallel.cp = {p.cp} with parallel.tp = {p.tp} and parallel.sequence_parallel=true is not "
+                          f"built yet; set parallel.sequence_parallel=false, or parallel.tp=1")
 
 
 def layout_of(p: ParallelConfig, world_size: int) -> ParallelLayout:

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megarl.engine import micro_batches, offload
+from megarl.engine import context_parallel, micro_batches, offload
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.checkpointing import load_engine, save_engine
 from megarl.engine.forward import interleaved_count, model_forward, pipeline_forward, schedule_inputs
@@ -188,11 +188,16 @@ class MegatronEngine:
 
     # --- micro-batching (megarl.engine.micro_batches) ------------------------------------------------
     def _micro_batches(self, batch: SequenceBatch, rows: list[int], fields: tuple[str, ...] = ()) -> list[dict]:
-        lengths = [len(batch.input_ids[r]) for r in rows]
-        budget = self.cfg.max_tokens_per_microbatch
+        cp = self.dims.cp
+        lengths = [context_parallel.padded_length(len(batch.input_ids[r]), cp) for r in rows]
+        budget = self.cfg.max_tokens_per_microbatch  # the CP group's tokens: 1/cp of them on each rank
         if self.cfg.sequence_packing:
-            # Row lengths divisible by tp keep sequence-parallel splits even; by 8, tensor-core shapes.
-            plan = micro_batches.plan_packed(lengths, budget, self._agree_max, multiple=8 * self.dims.tp)
+            # Row lengths divisible by tp keep sequence-parallel splits even; by 8, tensor-core shapes
+            # (and by 2*cp*tp under context parallelism: megarl.engine.context_parallel).
+            plan = micro_batches.plan_packed(lengths, budget, self._agree_max, multiple=context_parallel.width_multiple(self.dims.tp, cp))
+            plan.seq_multiple = 2 * cp if cp > 1 else 1
+        elif cp > 1:
+            raise ValueError("context parallelism needs packed micro-batches: set model.sequence_packing=true")
         else:
             plan = micro_batches.plan_padded(lengths, budget, self._agree_max, multiple=sequence_multiple(self.dims))
         # Interleaved schedules need a multiple of pp micro-batches: filler ones carry no rows.
@@ -200,9 +205,13 @@ class MegatronEngine:
         plan.bins += [list(filler) for _ in range(interleaved_count(len(plan.bins), self.dims) - len(plan.bins))]
         built = micro_batches.build(plan, batch, rows, fields, self.device)
         if batch.routes is not None and any(moe_routing.has_replay(c) for c in self.chunks):  # the rollout's experts
-            moe_routing.attach_routes(built, batch.routes, [len(s) for s in batch.input_ids], len(micro_batches.FILLER),
-                                      self.spec.num_layers, self.spec.moe_topk,
+            moe_routing.attach_routes(built, batch.routes, [context_parallel.padded_length(len(s), cp) for s in batch.input_ids],
+                                      context_parallel.padded_length(len(micro_batches.FILLER), cp), self.spec.num_layers, self.spec.moe_topk,
                                       sp_shard=(self.dims.tp_rank, self.dims.tp) if self.dims.sequence_parallel else None)
+        if cp > 1:
+            for mb in built:
+                context_parallel.shard(mb, cp, self.dims.cp_rank)
+            context_parallel.check_same_batches(built, self.dims.cp_group)
         return built
 
     def _agree_max(self, values: list[int]) -> list[int]:
@@ -219,21 +228,32 @@ class MegatronEngine:
         of the sampling distribution: logits / temperature over the vocabulary without the banned ids."""
         pos = mb["positions"].to(model_output.device)
         flat = model_output.reshape(-1, model_output.shape[-1])  # [b*s, vocab/tp] or [b*s, 1]
+        if self.dims.cp > 1:
+            # This CP rank's share of the response positions; spread() sums the shares over CP.
+            owned, sel, targets = context_parallel.select(mb, pos)
+            cp_group = self.dims.cp_group
+
+            def spread(x):
+                return context_parallel.spread(x, owned, cp_group)
+        else:
+            sel, targets = pos, mb["input_ids"].reshape(-1)[pos + 1]  # position t predicts token t+1
+
+            def spread(x):
+                return x
         if self.value_head:
-            return {"values": flat[:, 0].float()[pos]}
+            return {"values": spread(flat[:, 0].float()[sel])}
         # Select the response positions before the vocab-parallel math: prompts cost nothing more.
-        resp_logits = flat[pos]  # [rows, R, vocab/tp]
+        resp_logits = flat[sel]  # [rows, R, vocab/tp] ([owned, vocab/tp] under CP)
         if temperature != 1.0:
             resp_logits = resp_logits / temperature
-        targets = mb["input_ids"].reshape(-1)[pos + 1]  # position t predicts token t+1
         tp_group = self.dims.tp_group if self.dims.tp > 1 else None
         vocab = {"true_vocab_size": self.spec.vocab_size, "banned_token_ids": banned_token_ids}
-        logprobs = vocab_parallel_logprobs(resp_logits, targets, tp_group, **vocab)
+        logprobs = spread(vocab_parallel_logprobs(resp_logits, targets, tp_group, **vocab))
         # Masked slots (past a response's end, filler rows of pad tokens) may target a banned token,
         # whose log-prob is about -3e38: zero them so no loss term (a squared log-ratio) overflows.
         out = {"logprobs": torch.where(mb["response_mask"].to(logprobs.device) > 0, logprobs, 0.0)}
         if "entropy" in want:
-            out["entropy"] = vocab_parallel_entropy(resp_logits, tp_group, **vocab)
+            out["entropy"] = spread(vocab_parallel_entropy(resp_logits, tp_group, **vocab))
         return out
 
     # --- forward only ---------------------------------------------------------------------------------
@@ -329,7 +349,8 @@ class MegatronEngine:
                 for chunk in self.chunks:
                     chunk.zero_grad_buffer()
                 self.optimizer.zero_grad()
-                seq_len = micro_batches[0]["input_ids"].shape[1]
+                # the global width: Megatron divides it by cp for the pipeline's activation shapes
+                seq_len = micro_batches[0].get("cp_width", micro_batches[0]["input_ids"].shape[1])
                 chunks, data_iterator = schedule_inputs(self.chunks, micro_batches, self.dims)
                 get_forward_backward_func()(
                     forward_step_func=forward_step,

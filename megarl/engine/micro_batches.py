@@ -35,6 +35,7 @@ class Plan:
     bins: list[list[int | None]]  # batch rows per micro-batch; None = a filler row, masked out
     width: int  # tokens per row: the packed micro-batch length, or the padded sequence length
     packed: bool
+    seq_multiple: int = 1  # packed: each sequence padded at its end to a multiple (2*cp under context parallelism)
 
     def padding_fraction(self, lengths: Sequence[int]) -> float:
         """Share of the planned token slots (rows x width; a packed micro-batch is one row) that no
@@ -107,7 +108,7 @@ def build(plan: Plan, batch: SequenceBatch, rows: Sequence[int], fields: Sequenc
         prompt_lens = torch.tensor([batch.prompt_lens[r] if r is not None else 1 for r in chunk])
         seq_lens = torch.tensor([len(s) for s in seqs])
         within = response_positions(prompt_lens, batch.response_len, seq_lens)  # [rows, R]
-        mb, starts = _packed(seqs, plan.width, device) if plan.packed else _padded(seqs, plan.width, device)
+        mb, starts = _packed(seqs, plan.width, device, plan.seq_multiple) if plan.packed else _padded(seqs, plan.width, device)
         mb["positions"] = within + starts.unsqueeze(1)
         mb["rows"] = chunk
         for name in dict.fromkeys(tuple(fields) + ("response_mask",)):
@@ -126,10 +127,12 @@ def _padded(seqs: list[list[int]], width: int, device) -> tuple[dict, torch.Tens
     return {"input_ids": ids.to(device)}, torch.arange(len(seqs)) * width
 
 
-def _packed(seqs: list[list[int]], width: int, device) -> tuple[dict, torch.Tensor]:
-    """As `_padded`, for one packed row."""
+def _packed(seqs: list[list[int]], width: int, device, seq_multiple: int = 1) -> tuple[dict, torch.Tensor]:
+    """As `_padded`, for one packed row; each sequence's segment padded at its end to `seq_multiple`."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    if seq_multiple > 1:  # context parallelism: pads inside the segment, after its real tokens
+        seqs = [s + [0] * (-len(s) % seq_multiple) for s in seqs]
     lens = [len(s) for s in seqs]
     used = sum(lens)
     # The tail padding is made of segments too, none longer than the longest sequence: one long pad

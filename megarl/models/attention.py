@@ -11,8 +11,9 @@ memory-efficient kernel on GPU. This module is a drop-in `core_attention` for Me
   `megarl.models.packed_attention.attend_packed`;
 - grouped-query attention, and query/key head size different from the value head size (what
   multi-latent attention passes as `k_channels` / `v_channels`).
-Variants the families do not use (sliding windows, learnable softmax offsets, context parallelism)
-are refused with an error instead of being computed differently from transformers.
+- context parallelism (`parallel.cp`, packed only): `megarl.models.context_parallel.cp_attention`.
+Variants the families do not use (sliding windows, learnable softmax offsets) are refused with an
+error instead of being computed differently from transformers.
 """
 from __future__ import annotations
 
@@ -31,8 +32,6 @@ class SDPACoreAttention(MegatronModule):
                  cp_comm_type: str | None = None, pg_collection=None,
                  k_channels: int | None = None, v_channels: int | None = None):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("context parallelism needs Transformer Engine's attention; install transformer_engine or set cp=1")
         if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, max(1, layer_number)):
             raise ValueError("sliding-window attention is not supported by megarl's SDPA core attention")
         if config.softmax_type != "vanilla":
@@ -54,11 +53,27 @@ class SDPACoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.k_channels)
         self.attn_mask_type = attn_mask_type
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.cp = config.context_parallel_size
+        if self.cp > 1:
+            if self.dropout:
+                raise ValueError("attention dropout under context parallelism is not supported by megarl's CP attention")
+            if pg_collection is not None:
+                self.cp_group = pg_collection.cp
+            else:
+                from megatron.core import parallel_state
+
+                self.cp_group = parallel_state.get_context_parallel_group()
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by megarl's SDPA core attention")
         mask_type = attn_mask_type or self.attn_mask_type
+        if self.cp > 1:
+            if packed_seq_params is None or attention_mask is not None or "causal" not in mask_type.name:
+                raise ValueError("context parallelism runs on packed (thd) causal micro-batches only: model.sequence_packing=true")
+            from megarl.models.context_parallel import cp_attention
+
+            return cp_attention(query, key, value, packed_seq_params, self.cp_group, self.heads, self.groups, self.softmax_scale)
         if packed_seq_params is not None:
             from megarl.models.packed_attention import attend_packed
 

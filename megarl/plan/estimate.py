@@ -207,6 +207,10 @@ def activation_bytes(arch: Arch, lay: Layout, stage: int, run: RunShape, critic:
     one layer's working set during its recompute. 1F1B holds (pp - stage) micro-batches;
     interleaving (vpp) adds (pp - 1) / (pp * vpp) of that on the first stage.
     Logits: tokens x vocab/tp x 10 bytes (bf16 logits + fp32 log-softmax and its gradient).
+    Context parallelism: each GPU holds 1/cp of the micro-batch's tokens (max_tokens_per_microbatch
+    counts the CP group's); megarl's CP attention keeps only the local K/V for backward and holds
+    one layer's all-gathered K/V (and, in backward, their gradients) at a time: a working set of
+    2 x 2 x tokens x kv width / tp, added once.
     """
     el = DTYPE_BYTES[run.dtype]
     h = arch.hidden
@@ -241,6 +245,9 @@ def activation_bytes(arch: Arch, lay: Layout, stage: int, run: RunShape, critic:
         stored = len(layers) * h / rep_split * inflight + max((per_token(i) for i in layers), default=0)
     else:
         stored = sum(per_token(i) for i in layers) * inflight
+    if lay.cp > 1:
+        kv_width = (arch.heads * (arch.qk_head_dim + arch.v_head_dim)) if arch.mla else 2 * arch.kv_heads * arch.head_dim
+        stored += 2 * run.max_tokens_per_microbatch * kv_width / lay.tp / tokens  # per local token, like the rest
     logits = 0.0
     if stage == lay.pp - 1 and not critic:
         logits = tokens * arch.padded_vocab(lay.tp) / lay.tp * 10
@@ -407,7 +414,8 @@ def step_time(arch: Arch, run: RunShape, cl: Cluster, sync_seconds: float, lay: 
     seqs = run.prompts_per_step * run.samples_per_prompt
     tokens = seqs * (P + R)
     lay = lay or Layout()
-    micro_batches = max(1, math.ceil(tokens / (dp * lay.cp) / run.max_tokens_per_microbatch))
+    # max_tokens_per_microbatch counts a CP group's tokens (megarl.engine.context_parallel): dp excludes cp
+    micro_batches = max(1, math.ceil(tokens / dp / run.max_tokens_per_microbatch))
     bubble = 1 + (lay.pp - 1) / (lay.vpp * micro_batches)
     peak = cl.gpus * cl.gpu.bf16_tflops * 1e12 / bubble  # the gen phase below undoes it
 

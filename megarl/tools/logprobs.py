@@ -2,12 +2,14 @@
 (or a hub id, `org/name[@revision]`, fetched into the Hugging Face cache once per node).
 
     torchrun --nproc_per_node N -m megarl.tools.logprobs --model DIR --tp T --pp P [--ep E] [--etp E] \
-        [--vpp V] [--first-stage-layers F] [--last-stage-layers L] \
+        [--vpp V] [--first-stage-layers F] [--last-stage-layers L] [--cp C] \
         --input in.jsonl --output out.jsonl [--dtype float32|bfloat16]
 
 Each input line is {"input_ids": [...]}; each output line is {"logprobs": [...]} with
 len(input_ids) - 1 values, value i being log p(input_ids[i+1] | input_ids[:i+1]). Use it to debug
 train / inference mismatches: run it under the training layout and compare with the rollout engine.
+With `--cp C` (context parallelism) the sequences run packed, split over the CP ranks as training
+splits them (`megarl.engine.context_parallel`), through the engine's forward-only pass.
 """
 from __future__ import annotations
 
@@ -81,6 +83,21 @@ def sequence_logprobs(model, spec, dims, sequences: list[list[int]], micro_batch
     return [all_lp[i, : len(s) - 1].tolist() for i, s in enumerate(sequences)]
 
 
+def packed_logprobs(model_dir: str, dims, dtype: str, sequences: list[list[int]], tokens_per_micro_batch: int) -> list[list[float]]:
+    """Log-probs of each sequence through the engine's packed forward-only pass (what training runs,
+    context parallelism included): every token after the first is a "response" token."""
+    from megarl.engine.batch import SequenceBatch
+    from megarl.engine.engine import EngineConfig, MegatronEngine
+
+    engine = MegatronEngine(model_dir, dims, EngineConfig(dtype=dtype, max_tokens_per_microbatch=tokens_per_micro_batch),
+                            trainable=False)
+    width = max((len(s) for s in sequences), default=2) - 1
+    mask = torch.tensor([[1.0] * (len(s) - 1) + [0.0] * (width - len(s) + 1) for s in sequences]).reshape(len(sequences), width)
+    batch = SequenceBatch(sequences, [1] * len(sequences), list(range(len(sequences))), width, {"response_mask": mask})
+    lp = engine.forward_only(batch)["logprobs"]
+    return [lp[i, : len(s) - 1].tolist() for i, s in enumerate(sequences)]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="per-token log-probs under a Megatron-Core model")
     p.add_argument("--model", required=True, help="a Hugging Face model directory or hub id (org/name[@revision])")
@@ -91,6 +108,7 @@ def main(argv=None) -> int:
     p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per pipeline rank (interleaved 1F1B)")
     p.add_argument("--first-stage-layers", type=int, default=None, help="layers of the first pipeline stage (uneven stages)")
     p.add_argument("--last-stage-layers", type=int, default=None, help="layers of the last pipeline stage (uneven stages)")
+    p.add_argument("--cp", type=int, default=1, help="context parallelism (packed sequences, as in training)")
     p.add_argument("--input", required=True)
     p.add_argument("--output", required=True)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -104,7 +122,9 @@ def main(argv=None) -> int:
     from megarl.parallel import dims_from_env
 
     try:
-        dims = dims_from_env(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, vpp=args.vpp,
+        if args.cp > 1 and args.pp > 1:
+            raise ValueError(f"--cp {args.cp} with --pp {args.pp} is not built yet; use --pp 1 with context parallelism")
+        dims = dims_from_env(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, etp=args.etp, vpp=args.vpp,
                              first_stage_layers=args.first_stage_layers, last_stage_layers=args.last_stage_layers,
                              sequence_parallel=True)  # at tp > 1, as training runs by default
         # a hub id is fetched once per node, which needs the process group: started here for it
@@ -117,16 +137,20 @@ def main(argv=None) -> int:
         return 2
     if not dims.initialized:  # a hub id started the process groups above; otherwise they start here
         dims.initialize()
-    model, spec = load_model_chunks(model_dir, dims, dtype=args.dtype)
-    for chunk in model:
-        chunk.eval()
     # Data parallel: replica r handles sequences r, r + dp, ...; results meet on every rank.
     mine = list(range(dims.dp_rank, len(sequences), dims.dp))
     per_replica = -(-len(sequences) // dims.dp)
-    lps = sequence_logprobs(
-        model, spec, dims, [sequences[i] for i in mine], args.micro_batch_size,
-        length=max(len(s) for s in sequences), num_micro_batches=-(-per_replica // args.micro_batch_size),
-    )
+    if dims.cp > 1:
+        lps = packed_logprobs(model_dir, dims, args.dtype, [sequences[i] for i in mine],
+                              args.micro_batch_size * max(len(s) for s in sequences))
+    else:
+        model, spec = load_model_chunks(model_dir, dims, dtype=args.dtype)
+        for chunk in model:
+            chunk.eval()
+        lps = sequence_logprobs(
+            model, spec, dims, [sequences[i] for i in mine], args.micro_batch_size,
+            length=max(len(s) for s in sequences), num_micro_batches=-(-per_replica // args.micro_batch_size),
+        )
     gathered: list = [None] * dims.world_size
     dist.all_gather_object(gathered, dict(zip(mine, lps)))
     if dims.rank == 0:

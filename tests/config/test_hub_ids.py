@@ -16,7 +16,7 @@ from megarl.config.inputs import check_model_layout, check_model_path, model_ref
 from megarl.resume_changes import ResumeChangeError, check_resume, record_segment
 
 sys.path.insert(0, str(REPO / "tests" / "plan"))
-from hf_configs import DEEPSEEK_V3, GLM45, LLAMA3_70B, QWEN3_235B, QWEN25_05B  # noqa: E402
+from hf_configs import DEEPSEEK_V3, GLM45, LLAMA3_70B, QWEN3_4B, QWEN3_235B, QWEN25_05B  # noqa: E402
 
 COMMIT_A, COMMIT_B = "a" * 40, "0123456789abcdef0123456789abcdef01234567"
 
@@ -140,7 +140,8 @@ def test_every_model_key_is_resolved_and_replaced(cache, tmp_path):
 # configs/*.yaml naming hub ids -> (the model's config.json, the world size the config is written for)
 SHIPPED = {"qwen2.5-0.5b-gsm8k.yaml": (QWEN25_05B, 1), "deepseek-v3-671b.yaml": (DEEPSEEK_V3, 256),
            "glm-4.5-355b.yaml": (GLM45, 256), "qwen3-235b-a22b.yaml": (QWEN3_235B, 256),
-           "llama-3-70b-lora.yaml": (LLAMA3_70B, 8)}
+           "llama-3-70b-lora.yaml": (LLAMA3_70B, 8),
+           "qwen3-4b-long-reasoning.yaml": (QWEN3_4B, 8)}
 
 
 def test_every_shipped_hub_config_is_covered():

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from hf_configs import DEEPSEEK_V3, GLM45, LLAMA3_70B, PUBLISHED_PARAMS, QWEN3_235B, QWEN25_05B, QWEN25_7B, write
+from hf_configs import DEEPSEEK_V3, GLM45, LLAMA3_70B, PUBLISHED_PARAMS, QWEN3_4B, QWEN3_235B, QWEN25_05B, QWEN25_7B, write
 from megarl.plan import Cluster, GPUS, Layout, RunShape, arch_from_config, plan, search, train_flops_per_token
 from megarl.plan.estimate import GIB
 from megarl.plan.arch import forward_flops_per_token, params_mtp, params_total, stage_layers
@@ -143,7 +143,9 @@ SHIPPED = {"qwen2.5-0.5b-gsm8k.yaml": (QWEN25_05B, Cluster(1, 1, GPUS["h100-80gb
            "glm-4.5-355b.yaml": (GLM45, Cluster(256, 8, GPUS["h100-80gb"])),
            "qwen3-235b-a22b.yaml": (QWEN3_235B, Cluster(256, 8, GPUS["h100-80gb"])),
            # issue 26: LoRA on one node of 8 H100s
-           "llama-3-70b-lora.yaml": (LLAMA3_70B, Cluster(8, 8, GPUS["h100-80gb"]))}
+           "llama-3-70b-lora.yaml": (LLAMA3_70B, Cluster(8, 8, GPUS["h100-80gb"])),
+           # issue 23's long-reasoning recipe: one node of 8 H100s, context parallelism 4
+           "qwen3-4b-long-reasoning.yaml": (QWEN3_4B, Cluster(8, 8, GPUS["h100-80gb"]))}
 
 
 def test_shipped_configs_fit_their_stated_cluster(tmp_path):
@@ -252,3 +254,32 @@ def test_verl_deepseek_v3_layout_is_accepted_and_planned(tmp_path):
 
     without = plan(arch_from_config(DEEPSEEK_V3), replace(lay, sequence_parallel=False), run, Cluster(96, 8, GPUS["h20-96gb"]))
     assert report["memory_gib"]["training"]["activations"] < without["memory_gib"]["training"]["activations"]
+
+
+def test_long_reasoning_recipe_fits_only_with_context_parallelism():
+    """configs/qwen3-4b-long-reasoning.yaml: 34k-token sequences fit 8 H100s at cp4 (a quarter of each
+    micro-batch's tokens per GPU) and do not at cp1, where the activations and logits of the whole
+    micro-batch sit on one GPU."""
+    import dataclasses
+
+    _, lay, run = planner_inputs(load_run_config(REPO / "configs" / "qwen3-4b-long-reasoning.yaml"))
+    cluster = Cluster(8, 8, GPUS["h100-80gb"])
+    at_cp4, at_cp1 = (plan(arch_from_config(QWEN3_4B), dataclasses.replace(lay, cp=cp), run, cluster) for cp in (4, 1))
+    assert lay.cp == 4 and at_cp4["fits"] and not at_cp1["fits"]
+    t4, t1 = at_cp4["memory_gib"]["training"], at_cp1["memory_gib"]["training"]
+    assert t4["logits"] == pytest.approx(t1["logits"] / 4)
+    # activations: a quarter of the tokens, plus one layer's all-gathered K/V (and their gradients)
+    gathered = 2 * 36864 * 2 * 8 * 128 * 2 / 2**30
+    assert t4["activations"] == pytest.approx(t1["activations"] / 4 + gathered, rel=1e-4)
+    assert t4["params"] == t1["params"] and t4["grads"] > t1["grads"] / 4  # CP ranks hold weight replicas
+
+
+def test_published_long_context_layout_is_planned():
+    """slime's DeepSeek-R1 layout (issue 23: TP8 PP4 CP4 EP32 on 128 H100, the optimizer in CPU memory)
+    with 32k-token responses, 16k tokens per GPU; 61 layers as 15 + 15 + 15 + 16."""
+    lay = Layout(tp=8, pp=4, cp=4, ep=32, etp=1, first_stage_layers=15, last_stage_layers=16, rollout_tp=32)
+    run = RunShape(prompts_per_step=64, samples_per_prompt=8, prompt_len=2048, response_len=32768,
+                   max_tokens_per_microbatch=4 * 16384, recompute="full", param_offload=True, grad_offload=True,
+                   optimizer_offload="cpu")
+    report = plan(arch_from_config(DEEPSEEK_V3), lay, run, Cluster(128, 8, GPUS["h100-80gb"]))
+    assert report["fits"], report["problems"]

@@ -60,13 +60,14 @@ OFFLOAD_ALL = {"ref.param_offload": "true",
                **{f"{role}.{part}_offload": "true" for role in ("actor", "critic") for part in ("param", "grad", "optimizer")}}
 
 
-@pytest.mark.parametrize("nproc,tp,pp", [(2, 2, 1), (2, 1, 2), (2, 1, 1)], ids=["tp2", "pp2", "dp2"])
-def test_same_run_under_every_layout(tmp_path_factory, nproc, tp, pp, single_process_run):
+@pytest.mark.parametrize("nproc,tp,pp,cp", [(2, 2, 1, 1), (2, 1, 2, 1), (2, 1, 1, 1), (2, 1, 1, 2)], ids=["tp2", "pp2", "dp2", "cp2"])
+def test_same_run_under_every_layout(tmp_path_factory, nproc, tp, pp, cp, single_process_run):
     root = single_process_run.parent
-    run_dir = tmp_path_factory.mktemp(f"layout_tp{tp}_pp{pp}")
+    run_dir = tmp_path_factory.mktemp(f"layout_tp{tp}_pp{pp}_cp{cp}")
     # dp2 also offloads everything between phases: numbers must not change, memory must.
     offload = OFFLOAD_ALL if (tp, pp) == (1, 1) else {}
-    proc = launch_ok(nproc, small_run_overrides(root, run_dir, **{"trainer.total_steps": 2, "parallel.tp": tp, "parallel.pp": pp},
+    proc = launch_ok(nproc, small_run_overrides(root, run_dir, **{"trainer.total_steps": 2, "parallel.tp": tp, "parallel.pp": pp,
+                                                                                     "parallel.cp": cp},
                                                 **offload, **CORRECTION))
     # tp2 runs with sequence parallelism, the default at tp > 1 (the critic's value head on the SP shard)
     assert (f"tp={tp} sp " in proc.stdout) == (tp > 1), proc.stdout
