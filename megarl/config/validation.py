@@ -28,6 +28,21 @@ class BatchSizes:
     critic_responses_per_minibatch_per_dp_rank: int
 
 
+def _check_multi_turn(cfg: Config) -> None:
+    mt, ro = cfg.rollout.multi_turn, cfg.rollout
+    if mt.environment is None:
+        return
+    if mt.max_total_tokens is not None and mt.max_total_tokens > ro.max_new_tokens:
+        raise ConfigError(f"rollout.multi_turn.max_total_tokens = {mt.max_total_tokens} is above rollout.max_new_tokens = "
+                          f"{ro.max_new_tokens}, the trainer's response length: raise rollout.max_new_tokens or lower it")
+    if ro.tp > 1:
+        raise ConfigError(f"rollout.multi_turn with rollout.tp = {ro.tp}: episodes run on each rank for its own share, which an "
+                          f"engine spanning ranks does not do yet; use rollout.tp=1")
+    if cfg.actor.routing_replay:
+        raise ConfigError("rollout.multi_turn with actor.routing_replay: routes of observation tokens are not recorded yet; "
+                          "set actor.routing_replay=false")
+
+
 def validate(cfg: Config, world_size: int | None = None) -> BatchSizes | None:
     """Check values (ranges, enums, cross-field rules); with `world_size`, also the layout arithmetic.
 
@@ -61,6 +76,7 @@ def validate(cfg: Config, world_size: int | None = None) -> BatchSizes | None:
                           f"{cfg.rollout.max_new_tokens}: the buffer is the last part of the response length limit")
     _check_unworkable(cfg)
     _check_monitoring(cfg)
+    _check_multi_turn(cfg)
     p = cfg.parallel
     # Accepted by ParallelDims, not yet by the engine's forward paths: refuse rather than run wrong.
     if p.cp != 1:

@@ -1,0 +1,66 @@
+"""The CPU tool demo's task (configs/tiny_cpu_tool.yaml): answer a key with its value in a table
+only the environment holds, so the policy can only score by calling the lookup tool.
+
+    prompt "472="   policy "?" eos   environment "815="   policy "815" eos   (score 1.0)
+
+The table is a keyed hash (`secret_value`), not something the policy sees: a held-out key's value
+cannot be learned from the training keys (train and held-out keys are disjoint, `is_held_out`).
+A turn starting with "?" is a lookup of the episode's key; any other turn is the final answer and
+ends the episode. `final_answer_score` (reward.kind=function) scores the text after the last "="
+of the response with the arithmetic task's partial credit. Every character is one token of the
+`digits` tokenizer.
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+
+from megarl.agents.environment import Environment, Turn
+from megarl.rewards.arithmetic import arithmetic_score
+
+_SALT = b"megarl-lookup-v1"
+HELD_OUT_EVERY = 5  # one key in five (by hash) is held out for validation
+
+
+def _hash(key: str, what: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8, key=_SALT, person=what).digest(), "little")
+
+
+def secret_value(key: str) -> str:
+    """The table's value of `key`: as many digits as the key."""
+    return str(_hash(key, b"value") % 10 ** len(key)).zfill(len(key))
+
+
+def is_held_out(key: str) -> bool:
+    return _hash(key, b"split") % HELD_OUT_EVERY == 0
+
+
+def lookup_rows(count: int, split: str, num_digits: int = 3) -> list[dict]:
+    """`count` rows of the task; split "train" draws training keys, "test" held-out keys only."""
+    keys = [str(k).zfill(num_digits) for k in range(10 ** num_digits)]
+    keys = [k for k in keys if is_held_out(k) == (split != "train")]
+    rng = random.Random(f"lookup:{num_digits}:{split}")
+    rows = []
+    for i in range(count):
+        key = rng.choice(keys)
+        rows.append({"prompt": f"{key}=", "ground_truth": secret_value(key), "data_source": "lookup",
+                     "extra": {"index": i, "split": split}})
+    return rows
+
+
+class LookupTool(Environment):
+    """A turn "?..." is answered with "<value>="; any other turn ends the episode."""
+
+    def reset(self, row: dict) -> None:
+        self.key = row["prompt"].rstrip("=")
+        return None
+
+    def step(self, turn: Turn) -> tuple[str | None, float, bool]:
+        if turn.text.startswith("?"):
+            return f"{secret_value(self.key)}=", 0.0, False
+        return None, 0.0, True
+
+
+def final_answer_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    """Partial credit (megarl.rewards.arithmetic) of the text after the response's last "="."""
+    return arithmetic_score(solution_str.rsplit("=", 1)[-1], ground_truth)
