@@ -48,16 +48,23 @@ def lookup_rows(count: int, split: str, num_digits: int = 3) -> list[dict]:
     return rows
 
 
+CALL_BONUS = 0.1  # the environment's reward for an episode's first lookup
+
+
 class LookupTool(Environment):
-    """A turn "?..." is answered with "<value>="; any other turn ends the episode."""
+    """A turn "?..." is answered with "<value>="; any other turn ends the episode. The first
+    lookup earns CALL_BONUS: at the random start about one sample in twenty calls, and without the
+    bonus the copy that would make calling pay is learned too rarely to pull it up (measured: the
+    call rate fell from 0.05 to 0.02 over 28 steps while the score rose by guessing)."""
 
     def reset(self, row: dict) -> None:
-        self.key = row["prompt"].rstrip("=")
+        self.key, self.calls = row["prompt"].rstrip("="), 0
         return None
 
     def step(self, turn: Turn) -> tuple[str | None, float, bool]:
         if turn.text.startswith("?"):
-            return f"{secret_value(self.key)}=", 0.0, False
+            self.calls += 1
+            return f"{secret_value(self.key)}=", CALL_BONUS if self.calls == 1 else 0.0, False
         return None, 0.0, True
 
 
