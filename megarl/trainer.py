@@ -163,7 +163,7 @@ class Trainer:
                               max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens, train_tp=dims.tp,
                               log=log if dims.rank == 0 else None)
         # rollout.multi_turn.environment: the engine runs one environment episode per sample
-        self.rollout = with_environment(setup.engine, r, self.tokenizer)
+        self.rollout = with_environment(setup.engine, r, self.tokenizer, log=log if dims.rank == 0 else None)
         self._setup_moe_routing(cfg)
         self.weight_path = setup.weight_path  # "direct" or "full" (megarl.rollout.RolloutSetup)
         self.hybrid = HybridEngine(self._actor_shards(), train=dims.layout,

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
+from megarl.agents.chat import ChatTurns
 from megarl.agents.environment import Turn
 from megarl.agents.tools import ToolExecutor
 from megarl.rollout.base import RolloutRequest, RolloutResult, SampleSpec, SamplingParams, expand_samples, make_sample_seed
@@ -70,6 +71,10 @@ class _Episode:
     finish: str = "stop"
     done: bool = False
     last_turn: Turn | None = None
+    # with a chat template: the conversation so far and the (name, tokens) segments of the sequence
+    messages: list[dict] = field(default_factory=list)
+    segments: list[tuple[str, int]] = field(default_factory=list)
+    template_mismatch: int = 0
 
     def count(self, failure: str | None) -> None:
         self.errors += failure == "error"
@@ -90,9 +95,12 @@ class MultiTurnRollout:
     """A RolloutEngine: `generate` runs episodes; weights and memory calls go to the wrapped engine."""
 
     def __init__(self, engine, env_class: Callable[[], Any], tokenizer, settings: MultiTurnSettings,
-                 encode: Callable[[str], list[int]] | None = None):
+                 chat: ChatTurns | None = None, log: Callable[[str], None] | None = None):
+        """chat: observations rendered by the tokenizer's chat template and every episode checked
+        against it (megarl.agents.chat); log: where the check's one-line warning goes (None: nowhere)."""
         self.engine, self.env_class, self.tokenizer, self.settings = engine, env_class, tokenizer, settings
-        self.encode = encode or (lambda text: list(tokenizer.encode(text, add_special_tokens=False)))
+        self.chat, self.log = chat, log
+        self.encode = lambda text: list(tokenizer.encode(text, add_special_tokens=False))
         self.executor = ToolExecutor(settings.max_concurrency, settings.timeout_s)
         self.rows: dict[int, dict] = {}  # global prompt index -> dataset row, set before generate
 
@@ -138,15 +146,33 @@ class MultiTurnRollout:
                     e.finish = r.finish_reason
                     e.last_turn = Turn(response_text(self.tokenizer, ids, sampling.stop_token_ids), tuple(ids), turn,
                                        r.finish_reason)
+                    e.messages.append({"role": "assistant", "content": e.last_turn.text})
+                    e.segments.append((f"assistant turn {turn}", len(ids)))
             self._step(live, turn)
             turn += 1
+        if self.chat is not None:
+            self._check_template(episodes)
         return [self._result(e) for e in episodes]
+
+    def _check_template(self, episodes: list[_Episode]) -> None:
+        """Each episode against the template's rendering of its conversation; one line when any differ."""
+        checks = []
+        for e in episodes:
+            prompt = e.spec.request.prompt_token_ids
+            check = self.chat.check(e.messages, list(prompt) + e.tokens, [("prompt", len(prompt)), *e.segments])
+            e.template_mismatch = check.mismatched
+            checks.append(check)
+        bad = [c for c in checks if not c.ok]
+        if bad and self.log is not None:
+            self.log(f"megarl: {len(bad)} of {len(checks)} episodes differ from the chat template's rendering: {bad[0].warning()}")
 
     def _start(self, episodes: list[_Episode]) -> None:
         """Construct each sample's environment and reset it with its prompt's row (concurrently)."""
         def start(e: _Episode):
+            row = dict(self.rows.get(e.spec.request.prompt_index, {}))
+            e.messages = [{"role": "user", "content": str(row.get("prompt", ""))}]
             e.env = self.env_class()
-            return e.env.reset(dict(self.rows.get(e.spec.request.prompt_index, {})))
+            return e.env.reset(row)
 
         outcomes = self.executor.map([lambda e=e: start(e) for e in episodes])
         for e, o in zip(episodes, outcomes):
@@ -155,8 +181,12 @@ class MultiTurnRollout:
             if o.ok and text is not None and not isinstance(text, str):
                 e.count("error")
                 text = f"[tool error] reset returned {type(text).__name__}, not str or None"
-            if text:
-                e.append(self.encode(text)[: self.settings.max_total_tokens - 1], False)
+            if text:  # plain encoding, also with a chat template: part of the prompt's user turn
+                ids = self.encode(text)[: self.settings.max_total_tokens - 1]
+                e.append(ids, False)
+                e.segments.append(("reset text", len(ids)))
+                if e.messages:
+                    e.messages[-1]["content"] += text
 
     def _step(self, live: list[_Episode], turn: int) -> None:
         """Every live episode's environment reacts to its policy's turn (concurrently)."""
@@ -176,9 +206,12 @@ class MultiTurnRollout:
                     e.finish = "length"
                 continue
             if observation:
-                ids = self.encode(observation)[:left]
+                ids = (self.encode(observation) if self.chat is None else
+                       self.chat.observation_ids(e.messages, e.last_turn.token_ids, observation))[:left]
                 e.append(ids, False)
                 e.observations += 1
+                e.messages.append({"role": self.chat.role if self.chat else "tool", "content": observation})
+                e.segments.append((f"tool turn {turn} (after assistant turn {turn})", len(ids)))
                 if len(ids) == left:  # no room left for the policy
                     e.done, e.finish = True, "length"
 
@@ -186,7 +219,7 @@ class MultiTurnRollout:
         return RolloutResult(e.spec.request.prompt_index, e.spec.sample_index, e.tokens, e.logprobs, e.finish,
                              e.scaled, response_mask=e.mask, env_reward=e.reward,
                              episode={"turns": e.turns, "observations": e.observations, "errors": e.errors,
-                                      "timeouts": e.timeouts})
+                                      "timeouts": e.timeouts, "template_mismatch": e.template_mismatch})
 
     def metrics(self) -> dict[str, float]:
         """The executor's counts since construction (calls, errors, timeouts, abandoned)."""
@@ -209,7 +242,7 @@ def _unpack(outcome) -> tuple[str | None, float | None, bool]:
     return observation, reward, bool(done)
 
 
-def with_environment(engine, rollout_cfg, tokenizer):
+def with_environment(engine, rollout_cfg, tokenizer, log=None):
     """The engine itself, or a MultiTurnRollout over it when rollout.multi_turn.environment is set
     (its class imported now: a bad name fails before any step)."""
     from megarl.agents.environment import load_environment_class
@@ -220,7 +253,8 @@ def with_environment(engine, rollout_cfg, tokenizer):
     total = mt.max_total_tokens or rollout_cfg.max_new_tokens
     settings = MultiTurnSettings(max_turns=mt.max_turns, max_tokens_per_turn=min(mt.max_tokens_per_turn or total, total),
                                  max_total_tokens=total, max_concurrency=mt.max_concurrency, timeout_s=mt.timeout_s)
-    return MultiTurnRollout(engine, load_environment_class(mt.environment), tokenizer, settings)
+    return MultiTurnRollout(engine, load_environment_class(mt.environment), tokenizer, settings,
+                            ChatTurns(tokenizer) if mt.chat_template else None, log)
 
 
 def env_rows(prompts) -> dict[int, dict]:
@@ -249,4 +283,6 @@ def episode_metrics(samples, engine, reduce) -> dict[str, float]:
         [1.0 - sum(s.response_mask) / max(len(s.response_mask), 1) for s in samples], dtype=torch.float64))
     stats.sum("agents/env_errors", col("errors"))
     stats.sum("agents/env_timeouts", col("timeouts"))
+    if engine.chat is not None:  # episodes whose tokens differ from the chat template's rendering
+        stats.sum("agents/template_mismatch", (col("template_mismatch") > 0).double())
     return reduce(stats)

@@ -107,7 +107,7 @@ def test_episode_tokens_masks_and_history_as_sampled(hf):
         assert [m for m, _ in pieces] == ([0] if r.prompt_index == 0 else []) + [1, 0, 1, 0, 1]
         assert all(lp == 0.0 for lp, m in zip(r.logprobs, mask) if m == 0)
         assert all(lp < 0.0 or lp == 0.0 for lp, m in zip(r.logprobs, mask) if m == 1)
-        assert r.env_reward == 1.5 and r.episode == {"turns": 3, "observations": 2, "errors": 0, "timeouts": 0}
+        assert r.env_reward == 1.5 and r.episode == {"turns": 3, "observations": 2, "errors": 0, "timeouts": 0, "template_mismatch": 0}
     # every turn was asked of the engine as prompt + the response so far, token for token, with the turn's seed
     assert len(recorder.calls) == 3
     for turn, (requests, turn_sampling) in enumerate(recorder.calls):
