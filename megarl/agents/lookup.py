@@ -1,13 +1,16 @@
 """The CPU tool demo's task (configs/tiny_cpu_tool.yaml): answer a key with its value in a table
 only the environment holds, so the policy can only score by calling the lookup tool.
 
-    prompt "472="   policy "?" eos   environment "815="   policy "815" eos   (score 1.0)
+    prompt "472="   policy "?" eos   environment "815:"   policy "815" eos   (score 1.1)
 
 The table is a keyed hash (`secret_value`), not something the policy sees: a held-out key's value
 cannot be learned from the training keys (train and held-out keys are disjoint, `is_held_out`).
-A turn starting with "?" is a lookup of the episode's key; any other turn is the final answer and
-ends the episode. `final_answer_score` (reward.kind=function) scores the text after the last "="
-of the response with the arithmetic task's partial credit. Every character is one token of the
+A turn starting with "?" is a lookup of the episode's key, answered "<value>:"; any other turn is
+the final answer and ends the episode. `final_answer_score` (reward.kind=function) scores the text
+after the response's last ":" with the arithmetic task's partial credit; the first lookup earns
+the environment's CALL_BONUS. The observation ends in ":", not the prompt's "=": with "=" the
+policy could not tell the answer's place from the lookup's and learned to look up twice (a run
+of 67 steps: tool-call rate 1.0, exact match 0.0, every episode "?..." "815=" "?..."). Every character is one token of the
 `digits` tokenizer.
 """
 from __future__ import annotations
@@ -52,7 +55,7 @@ CALL_BONUS = 0.1  # the environment's reward for an episode's first lookup
 
 
 class LookupTool(Environment):
-    """A turn "?..." is answered with "<value>="; any other turn ends the episode. The first
+    """A turn "?..." is answered with "<value>:"; any other turn ends the episode. The first
     lookup earns CALL_BONUS: at the random start about one sample in twenty calls, and without the
     bonus the copy that would make calling pay is learned too rarely to pull it up (measured: the
     call rate fell from 0.05 to 0.02 over 28 steps while the score rose by guessing)."""
@@ -64,10 +67,10 @@ class LookupTool(Environment):
     def step(self, turn: Turn) -> tuple[str | None, float, bool]:
         if turn.text.startswith("?"):
             self.calls += 1
-            return f"{secret_value(self.key)}=", CALL_BONUS if self.calls == 1 else 0.0, False
+            return f"{secret_value(self.key)}:", CALL_BONUS if self.calls == 1 else 0.0, False
         return None, 0.0, True
 
 
 def final_answer_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
-    """Partial credit (megarl.rewards.arithmetic) of the text after the response's last "="."""
-    return arithmetic_score(solution_str.rsplit("=", 1)[-1], ground_truth)
+    """Partial credit (megarl.rewards.arithmetic) of the text after the response's last ":"."""
+    return arithmetic_score(solution_str.rsplit(":", 1)[-1], ground_truth)
