@@ -117,7 +117,9 @@ class MultiTurnRollout:
     def close(self) -> None:
         self.engine.close()
 
-    def __getattr__(self, name):  # record_routes, use_direct_weights, describe_model, ...
+    def __getattr__(self, name):  # use_direct_weights, describe_model, ... of the wrapped engine
+        if "engine" not in self.__dict__:  # during unpickling / before __init__
+            raise AttributeError(name)
         return getattr(self.__dict__["engine"], name)
 
     # ------------------------------------------------------------------ episodes
