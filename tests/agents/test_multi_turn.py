@@ -196,3 +196,22 @@ def test_environment_spec_errors_name_the_fix(tmp_path, monkeypatch):
                         ("my_envs:Other", "has no class 'Other'"), ("my_envs:Half", "lacks step")):
         with pytest.raises(EnvironmentSpecError, match=words):
             load_environment_class(spec)
+
+
+def test_score_sits_on_the_last_policy_token_and_the_batch_keeps_the_holes():
+    """A response whose mask has holes (the environment's tokens): the sequence score goes on its
+    last policy token, not at (number of policy tokens - 1), which may be an observation's."""
+    from megarl.data.dataset import PromptRow
+    from megarl.samples import Sample, to_rollout_batch
+    from megarl.trainer import _scores_at_last_token
+
+    row = PromptRow(global_index=0, row=0, prompt="p", ground_truth="", data_source="", prompt_ids=[7, 8])
+    samples = [Sample(row, 0, [1, 2, 3, 4, 5], [-0.5, -0.25, 0.0, 0.0, -1.0], True, "", response_mask=[1, 1, 0, 0, 1]),
+               Sample(row, 1, [6, 9], [-2.0, 0.0], True, "", response_mask=[1, 0]),
+               Sample(row, 2, [4, 4, 4], [-1.0, -1.0, -1.0], True, "")]  # single-turn: all the policy's
+    batch = to_rollout_batch(samples, samples_per_prompt=3, response_len=6)
+    mask = batch.batch.response_mask
+    assert mask.tolist() == [[1, 1, 0, 0, 1, 0], [1, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]]
+    assert batch.rollout_logprobs[0].tolist() == [-0.5, -0.25, 0.0, 0.0, -1.0, 0.0]
+    rewards = _scores_at_last_token(torch.tensor([2.0, 3.0, 5.0]), mask)
+    assert rewards.tolist() == [[0, 0, 0, 0, 2.0, 0], [3.0, 0, 0, 0, 0, 0], [0, 0, 5.0, 0, 0, 0]]
