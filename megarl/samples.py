@@ -29,6 +29,11 @@ class Sample:
     # per response token: the policy version it was sampled under (asynchronous training; None
     # when the engine does not say). logprobs are then the behaviour policy's log-probs.
     versions: tuple[int, ...] | None = None
+    # multi-turn episodes (megarl.rollout.multi_turn): 1 on the policy's tokens, 0 on the
+    # environment's; None = all the policy's. env_reward is added to the score; episode: counts.
+    response_mask: list[int] | None = None
+    env_reward: float = 0.0
+    episode: dict | None = field(default=None, compare=False)
 
     @property
     def oldest_version(self) -> int | None:
@@ -60,7 +65,7 @@ def to_rollout_batch(samples: list[Sample], samples_per_prompt: int, response_le
     rollout_logprobs = torch.zeros(len(samples), response_len)
     for i, sample in enumerate(samples):
         length = len(sample.response_ids)
-        mask[i, :length] = 1.0
+        mask[i, :length] = 1.0 if sample.response_mask is None else torch.tensor(sample.response_mask[:length], dtype=torch.float32)
         rollout_logprobs[i, :length] = torch.tensor(sample.logprobs[:length], dtype=torch.float32)
     batch = SequenceBatch([list(s.prompt.prompt_ids) + s.response_ids for s in samples],
                           [len(s.prompt.prompt_ids) for s in samples],

@@ -61,6 +61,7 @@ from megarl.rewards.model import RewardModel
 from megarl.rewards.overlong import overlong_penalty
 from megarl.rollout import build_rollout
 from megarl.rollout.base import RolloutRequest, SamplingParams
+from megarl.rollout.multi_turn import env_rows, episode_metrics, with_environment
 from megarl.samples import RolloutBatch, Sample, to_rollout_batch
 from megarl.step_metrics import local_stats, step_metrics
 
@@ -184,7 +185,8 @@ class Trainer:
                                   log=log if dims.rank == 0 else None)
         else:  # the engine runs on the rollout ranks: this rank's handle on its server
             setup = remote_setup(cfg, separate, dims.rank)
-        self.rollout = setup.engine
+        # rollout.multi_turn.environment: the engine runs one environment episode per sample
+        self.rollout = with_environment(setup.engine, r, self.tokenizer, log=log if dims.rank == 0 else None)
         self._setup_moe_routing(cfg)
         self.weight_path = setup.weight_path  # "direct" or "full" (megarl.rollout.RolloutSetup)
         self.hybrid = HybridEngine(self._actor_shards(), train=dims.layout,
@@ -311,6 +313,7 @@ class Trainer:
             self.rollout.release_memory()
         rollout_batch = to_rollout_batch(samples, self.sampling.n, self.sampling.max_new_tokens)
         batch, mask = rollout_batch.batch, rollout_batch.batch.response_mask
+        episodes = episode_metrics(samples, self.rollout, self.global_batch.reduce)  # {} without rollout.multi_turn
 
         # 3. Score the samples with the models: old log-probs (+ entropy), reference log-probs, values.
         with clock("timing_s/old_log_prob"):
@@ -391,6 +394,7 @@ class Trainer:
         metrics["training/hybrid_sync_direct"] = float(self.weight_path == "direct")  # 1: shards into vLLM's parameters
         metrics.update(filtered.metrics if filtered else {})
         metrics.update(async_metrics)
+        metrics.update(episodes)
         return StepResult(metrics, events)
 
     def validate(self) -> dict[str, float]:
@@ -405,6 +409,8 @@ class Trainer:
         """sampling.n responses to each of this DP rank's prompts, prompt-major. Generation is
         seeded by (seed, step, prompt, sample), so it does not depend on the layout."""
         requests = [RolloutRequest(tuple(p.prompt_ids), prompt_index=p.global_index, step=self.step) for p in prompts]
+        if hasattr(self.rollout, "rows"):  # a multi-turn engine: Environment.reset reads the prompt's row
+            self.rollout.rows = env_rows(prompts)
         return self._to_samples(prompts, generate_for_training(self.rollout, requests, sampling, self.dispatch), sampling)
 
     def _to_samples(self, prompts: list[PromptRow], results, sampling: SamplingParams) -> list[Sample]:
@@ -417,7 +423,8 @@ class Trainer:
             samples.append(Sample(by_index[result.prompt_index], result.sample_index, response,
                                   list(result.scaled_logprobs if scaled else result.logprobs), scaled,
                                   response_text(self.tokenizer, response, sampling.stop_token_ids), result.routed_experts,
-                                  tuple(result.versions[: len(response)]) if result.versions is not None else None))
+                                  tuple(result.versions[: len(response)]) if result.versions is not None else None,
+                                  result.response_mask, result.env_reward, result.episode))
         return samples
 
     def _score(self, samples: list[Sample]) -> list[float]:
@@ -426,6 +433,7 @@ class Trainer:
         prompts = [s.prompt for s in samples]
         scores = self.reward_fn([p.prompt for p in prompts], [s.text for s in samples], [p.ground_truth for p in prompts],
                                 [p.data_source for p in prompts], [p.extra for p in prompts])
+        scores = [score + s.env_reward for score, s in zip(scores, samples)]  # multi-turn environments' rewards
         buffer = self.cfg.reward.overlong_buffer
         if buffer.len:
             scores = [score + overlong_penalty(len(s.response_ids), self.cfg.rollout.max_new_tokens, buffer.len,
@@ -641,9 +649,11 @@ def _first_of_groups(samples: list[Sample], n: int) -> list[PromptRow]:
 
 
 def _scores_at_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[m] sequence scores -> [m, R] token rewards with the score on the last response token."""
+    """[m] sequence scores -> [m, R] token rewards with the score on the last policy token (a
+    multi-turn response's mask has holes where the environment spoke)."""
     token = torch.zeros_like(mask)
-    last = (mask.sum(-1).long() - 1).clamp_min(0)
+    positions = torch.arange(mask.shape[-1]).expand_as(mask)
+    last = torch.where(mask > 0, positions, -1).max(-1).values.clamp_min(0)
     token[torch.arange(len(scores)), last] = scores * (mask.sum(-1) > 0)
     return token
 

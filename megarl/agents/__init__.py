@@ -5,7 +5,8 @@
 timeout, turning failures into observations. Neither imports torch: an environment may use them
 outside the trainer.
 """
+from megarl.agents.environment import Environment, Turn
 from megarl.agents.sandbox import SandboxLimits, SandboxResult, SandboxUnavailable, run_python
 from megarl.agents.tools import CallOutcome, ToolExecutor
 
-__all__ = ["SandboxLimits", "SandboxResult", "SandboxUnavailable", "run_python", "CallOutcome", "ToolExecutor"]
+__all__ = ["Environment", "Turn", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "run_python", "CallOutcome", "ToolExecutor"]

@@ -114,6 +114,24 @@ class ParallelConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    environment: Optional[str] = knob(None, "'module:Class' of a megarl.agents.Environment (module found on PYTHONPATH): each "
+                                            "sample is an episode of policy turns and environment observations; null = one "
+                                            "turn (docs/agents.md)")
+    max_turns: int = knob(4, "policy turns per episode at most", ge=1)
+    max_tokens_per_turn: Optional[int] = knob(None, "tokens per policy turn at most; null = max_total_tokens", ge=1)
+    max_total_tokens: Optional[int] = knob(None, "tokens of the whole response (policy and environment turns) at most; "
+                                                 "null = rollout.max_new_tokens, which bounds it", ge=1)
+    max_concurrency: int = knob(8, "environment calls (reset, step) running at once on this rank's thread pool", ge=1)
+    timeout_s: float = knob(30.0, "seconds one environment call may take; past it the call becomes an observation naming "
+                                  "the timeout (counted in agents/env_timeouts) and the episode goes on", gt=0)
+    chat_template: bool = knob(False, "observations are the tokenizer's chat-template rendering of a 'tool' message after "
+                                      "the policy's turn (the template's own boundary tokens included) instead of their "
+                                      "plain encoding; each episode is checked against the template's full rendering "
+                                      "(agents/template_mismatch)")
+
+
+@dataclass
 class RolloutConfig:
     engine: Literal["hf", "vllm", "sglang"] = knob("hf", "inference engine that generates responses (hf runs on CPU)")
     tp: int = knob(1, "tensor-parallel size of the inference engine", ge=1)
@@ -140,6 +158,7 @@ class RolloutConfig:
         "colocated", "colocated: every rank trains and generates, taking turns; separate: the last rollout.num_ranks ranks "
                      "of the torchrun world only generate and the others only train (docs/async_rl.md)")
     num_ranks: int = knob(0, "ranks that only generate with rollout.placement=separate (the last ones of the world)", ge=0)
+    multi_turn: MultiTurnConfig = section(MultiTurnConfig, "multi-turn episodes with an environment (tool use; docs/agents.md)")
 
 
 @dataclass
@@ -160,8 +179,9 @@ class DataConfig:
     max_prompt_tokens: int = knob(512, "longer prompts are dropped (the count is logged)", ge=1)
     prompts_per_step: int = knob(256, "prompts per PPO step, global (responses = prompts * rollout.samples_per_prompt)", ge=1)
     shuffle: bool = knob(True, "reshuffle the prompts each epoch (seeded by trainer.seed and the epoch)")
-    auto_prepare: Optional[Literal["arithmetic", "gsm8k"]] = knob(
-        None, "write this dataset to train_files[0] (and val_files[0]) when train_files[0] is missing")
+    auto_prepare: Optional[Literal["arithmetic", "gsm8k", "lookup"]] = knob(
+        None, "write this dataset to train_files[0] (and val_files[0]) when train_files[0] is missing (lookup: the tool "
+              "demo's task, megarl.agents.lookup, sized by data.arithmetic's num_digits, train_size, val_size)")
     gsm8k_source: Optional[str] = knob(None, "directory with GSM8K train.jsonl/test.jsonl for auto_prepare; null = ../shared/data/gsm8k")
     arithmetic: ArithmeticDataConfig = section(ArithmeticDataConfig, "the generated arithmetic demo task")
 

@@ -43,6 +43,24 @@ def _check_lora(cfg: Config) -> None:
             raise ConfigError(f"{r}.lora.target_modules is empty: name projections (q_proj, ...) or null for all of them")
 
 
+def _check_multi_turn(cfg: Config) -> None:
+    mt, ro = cfg.rollout.multi_turn, cfg.rollout
+    if mt.environment is None:
+        return
+    if mt.max_total_tokens is not None and mt.max_total_tokens > ro.max_new_tokens:
+        raise ConfigError(f"rollout.multi_turn.max_total_tokens = {mt.max_total_tokens} is above rollout.max_new_tokens = "
+                          f"{ro.max_new_tokens}, the trainer's response length: raise rollout.max_new_tokens or lower it")
+    if ro.placement == "separate":
+        raise ConfigError("rollout.multi_turn with rollout.placement=separate: episodes run beside a colocated engine only "
+                          "so far; use rollout.placement=colocated")
+    if ro.tp > 1:
+        raise ConfigError(f"rollout.multi_turn with rollout.tp = {ro.tp}: episodes run on each rank for its own share, which an "
+                          f"engine spanning ranks does not do yet; use rollout.tp=1")
+    if cfg.actor.routing_replay:
+        raise ConfigError("rollout.multi_turn with actor.routing_replay: routes of observation tokens are not recorded yet; "
+                          "set actor.routing_replay=false")
+
+
 def validate(cfg: Config, world_size: int | None = None) -> BatchSizes | None:
     """Check values (ranges, enums, cross-field rules); with `world_size`, also the layout arithmetic.
 
@@ -80,6 +98,7 @@ def validate(cfg: Config, world_size: int | None = None) -> BatchSizes | None:
 
     check_placement(cfg)
     _check_lora(cfg)
+    _check_multi_turn(cfg)
     p = cfg.parallel
     if p.cp != 1:
         _check_context_parallel(cfg)

@@ -144,6 +144,12 @@ def prepare_if_missing(data_cfg, user_files=()) -> bool:
         a = data_cfg.arithmetic
         task, sizes = ArithmeticTask(kind=a.kind, num_digits=a.num_digits), {"train": a.train_size, "test": a.val_size}
         rows = {split: arithmetic_rows(task, sizes[split], split) for split in targets}
+    elif data_cfg.auto_prepare == "lookup":
+        from megarl.agents.lookup import lookup_rows
+
+        a = data_cfg.arithmetic
+        sizes = {"train": a.train_size, "test": a.val_size}
+        rows = {split: lookup_rows(sizes[split], split, a.num_digits) for split in targets}
     else:
         sources = gsm8k_sources(data_cfg.gsm8k_source, option="data.gsm8k_source")
         missing = [split for split in targets if split not in sources]

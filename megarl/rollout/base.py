@@ -72,11 +72,17 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class RolloutRequest:
-    """One prompt. prompt_index is its index in the global batch of this step (layout independent)."""
+    """One prompt. prompt_index is its index in the global batch of this step (layout independent).
+
+    seed: when set, the one sample of this request (n must be 1) uses this seed instead of the
+        one `make_sample_seed` derives; a multi-turn episode continues its sample with a seed per
+        turn (megarl.rollout.multi_turn.turn_seed), whatever the engine.
+    """
 
     prompt_token_ids: tuple[int, ...]
     prompt_index: int
     step: int = 0
+    seed: int | None = None
 
     def __post_init__(self):
         if len(self.prompt_token_ids) == 0:
@@ -111,6 +117,12 @@ class RolloutResult:
     # the policy version (trainer updates applied to the weights) each response token was sampled
     # under; None where the engine does not track versions (asynchronous training, megarl.async_rollout)
     versions: list[int] | None = field(default=None, compare=False)
+    # Multi-turn episodes (megarl.rollout.multi_turn): 1 on the policy's tokens, 0 on the
+    # environment's (their logprobs entries are 0); None = every token is the policy's.
+    response_mask: list[int] | None = None
+    # what the episode adds to the sample's score and its counts (turns, observations, failures)
+    env_reward: float = 0.0
+    episode: dict | None = field(default=None, compare=False)
 
 
 class RolloutEngine(Protocol):
@@ -161,9 +173,12 @@ class SampleSpec:
 
 
 def expand_samples(requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[SampleSpec]:
-    """Expand each request into sampling.n single-sample rows, prompt-major, each with its own seed."""
+    """Expand each request into sampling.n single-sample rows, prompt-major, each with its own seed
+    (a request's own seed when it carries one)."""
+    if sampling.n != 1 and any(req.seed is not None for req in requests):
+        raise ValueError("a RolloutRequest with its own seed is one sample: sampling.n must be 1")
     return [
-        SampleSpec(req, j, make_sample_seed(sampling.seed, req.step, req.prompt_index, j))
+        SampleSpec(req, j, req.seed if req.seed is not None else make_sample_seed(sampling.seed, req.step, req.prompt_index, j))
         for req in requests
         for j in range(sampling.n)
     ]

@@ -138,7 +138,8 @@ def test_every_model_key_is_resolved_and_replaced(cache, tmp_path):
 
 
 # configs/*.yaml naming hub ids -> (the model's config.json, the world size the config is written for)
-SHIPPED = {"qwen2.5-0.5b-gsm8k.yaml": (QWEN25_05B, 1), "deepseek-v3-671b.yaml": (DEEPSEEK_V3, 256),
+SHIPPED = {"qwen2.5-0.5b-gsm8k.yaml": (QWEN25_05B, 1), "qwen2.5-0.5b-gsm8k-tool.yaml": (QWEN25_05B, 1),
+           "deepseek-v3-671b.yaml": (DEEPSEEK_V3, 256),
            "glm-4.5-355b.yaml": (GLM45, 256), "qwen3-235b-a22b.yaml": (QWEN3_235B, 256),
            "llama-3-70b-lora.yaml": (LLAMA3_70B, 8),
            "qwen3-4b-long-reasoning.yaml": (QWEN3_4B, 8)}

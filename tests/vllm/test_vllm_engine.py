@@ -242,6 +242,52 @@ def test_untruncated_logprobs_equal_the_trainers_under_top_p_and_top_k_and_proce
     assert all(r.scaled_logprobs == r.logprobs for r in plain)
 
 
+def test_multi_turn_episode_over_real_vllm_token_ids_and_actor_logprobs(setup, model_dir, world_of_one):
+    """Issue 25, item 1, with the real engine: each turn goes to vLLM as a token-id prompt (the
+    episode so far, never re-encoded); the environment's tokens carry mask 0; the Megatron actor's
+    log-probs of the policy's tokens, over the whole sequence with the observations in it, equal
+    the ones vLLM sampled them with."""
+    from transformers import AutoTokenizer
+
+    from megarl.agents import Environment
+    from megarl.engine.batch import SequenceBatch
+    from megarl.engine.engine import EngineConfig, MegatronEngine
+    from megarl.rollout.multi_turn import MultiTurnRollout, MultiTurnSettings
+
+    class Echo(Environment):
+        def reset(self, row):
+            self.n = 0
+            return "Question:"
+
+        def step(self, turn):
+            self.n += 1
+            return f"The answer is {self.n}.", 1.0, self.n == 3
+
+    _sync(setup.engine, perturbed_state(model_dir, 0, scale=0.0))  # the checkpoint's weights, as the actor's
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    settings = MultiTurnSettings(max_turns=3, max_tokens_per_turn=5, max_total_tokens=48)
+    episodes = MultiTurnRollout(setup.engine, Echo, tokenizer, settings)
+    results = episodes.generate(_requests(step=4), SamplingParams(n=2, temperature=0.9, max_new_tokens=48, seed=6))
+    observation = tokenizer.encode("The answer is 1.", add_special_tokens=False)
+    R = settings.max_total_tokens
+    mask, engine_lp = torch.zeros(len(results), R), torch.zeros(len(results), R)
+    for i, r in enumerate(results):
+        assert r.episode["turns"] == 3 and r.env_reward == 3.0  # (a turn may end on eos: then still 3 turns)
+        start = len(tokenizer.encode("Question:", add_special_tokens=False))
+        assert r.response_mask[:start] == [0] * start
+        first_obs = r.response_mask.index(0, start + 1)
+        assert r.response_token_ids[first_obs:first_obs + len(observation)] == observation
+        mask[i, :len(r.response_mask)] = torch.tensor(r.response_mask, dtype=torch.float32)
+        engine_lp[i, :len(r.logprobs)] = torch.tensor(r.logprobs)
+    batch = SequenceBatch([PROMPTS[r.prompt_index] + r.response_token_ids for r in results],
+                          [len(PROMPTS[r.prompt_index]) for r in results], list(range(len(results))), R, {"response_mask": mask})
+    actor = MegatronEngine(str(model_dir), world_of_one, EngineConfig(), trainable=False)
+    actor_lp = actor.forward_only(batch, temperature=0.9)["logprobs"]
+    on = mask.bool()
+    assert on.sum() > 0 and (~on).logical_and(batch.tensors["response_mask"] == 0).sum() > 0
+    assert (actor_lp - engine_lp)[on].abs().max() < LOGPROB_ATOL
+
+
 def test_close_keeps_the_trainers_process_group(setup):
     """Last in the module: vLLM's own shutdown ends with destroy_process_group()."""
     setup.engine.close()

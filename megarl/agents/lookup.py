@@ -1,0 +1,76 @@
+"""The CPU tool demo's task (configs/tiny_cpu_tool.yaml): answer a key with its value in a table
+only the environment holds, so the policy can only score by calling the lookup tool.
+
+    prompt "472="   policy "?" eos   environment "815:"   policy "815" eos   (score 1.1)
+
+The table is a keyed hash (`secret_value`), not something the policy sees: a held-out key's value
+cannot be learned from the training keys (train and held-out keys are disjoint, `is_held_out`).
+A turn starting with "?" is a lookup of the episode's key, answered "<value>:"; any other turn is
+the final answer and ends the episode. `final_answer_score` (reward.kind=function) scores the text
+after the response's last ":" with the arithmetic task's partial credit; the first lookup earns
+the environment's CALL_BONUS. The observation ends in ":", not the prompt's "=": with "=" the
+policy could not tell the answer's place from the lookup's and learned to look up twice (a run
+of 67 steps: tool-call rate 1.0, exact match 0.0, every episode "?..." "815=" "?..."). Every character is one token of the
+`digits` tokenizer.
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+
+from megarl.agents.environment import Environment, Turn
+from megarl.rewards.arithmetic import arithmetic_score
+
+_SALT = b"megarl-lookup-v1"
+HELD_OUT_EVERY = 5  # one key in five (by hash) is held out for validation
+
+
+def _hash(key: str, what: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8, key=_SALT, person=what).digest(), "little")
+
+
+def secret_value(key: str) -> str:
+    """The table's value of `key`: as many digits as the key."""
+    return str(_hash(key, b"value") % 10 ** len(key)).zfill(len(key))
+
+
+def is_held_out(key: str) -> bool:
+    return _hash(key, b"split") % HELD_OUT_EVERY == 0
+
+
+def lookup_rows(count: int, split: str, num_digits: int = 3) -> list[dict]:
+    """`count` rows of the task; split "train" draws training keys, "test" held-out keys only."""
+    keys = [str(k).zfill(num_digits) for k in range(10 ** num_digits)]
+    keys = [k for k in keys if is_held_out(k) == (split != "train")]
+    rng = random.Random(f"lookup:{num_digits}:{split}")
+    rows = []
+    for i in range(count):
+        key = rng.choice(keys)
+        rows.append({"prompt": f"{key}=", "ground_truth": secret_value(key), "data_source": "lookup",
+                     "extra": {"index": i, "split": split}})
+    return rows
+
+
+CALL_BONUS = 0.1  # the environment's reward for an episode's first lookup
+
+
+class LookupTool(Environment):
+    """A turn "?..." is answered with "<value>:"; any other turn ends the episode. The first
+    lookup earns CALL_BONUS: at the random start about one sample in twenty calls, and without the
+    bonus the copy that would make calling pay is learned too rarely to pull it up (measured: the
+    call rate fell from 0.05 to 0.02 over 28 steps while the score rose by guessing)."""
+
+    def reset(self, row: dict) -> None:
+        self.key, self.calls = row["prompt"].rstrip("="), 0
+        return None
+
+    def step(self, turn: Turn) -> tuple[str | None, float, bool]:
+        if turn.text.startswith("?"):
+            self.calls += 1
+            return f"{secret_value(self.key)}:", CALL_BONUS if self.calls == 1 else 0.0, False
+        return None, 0.0, True
+
+
+def final_answer_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    """Partial credit (megarl.rewards.arithmetic) of the text after the response's last ":"."""
+    return arithmetic_score(solution_str.rsplit(":", 1)[-1], ground_truth)
