@@ -10,6 +10,10 @@ import types
 import pytest
 import torch
 
+import vllm_models  # noqa: F401  (MEGARL_REQUIRE_VLLM=1: a missing vllm is an error, not a skip)
+
+# the recorder subclasses vLLM's logits processor: without vllm (the main .venv) nothing here runs
+pytest.importorskip("vllm.v1", reason="vllm is not installed here; `make test-vllm` runs this tier")
 from megarl.rollout.vllm_raw_logprobs import KEY, RECORDS, KeptMassRecorder
 
 
