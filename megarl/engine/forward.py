@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megarl.models.moe_routing import ROUTES, replaying
 from megarl.parallel import ParallelDims, broadcast_host
+from megarl.platform.cpu_compat import device_rewrite_paused
 
 # compute(output, micro_batch) -> {name: tensor [micro_batch, ...]}; output is the last stage's
 # model output: vocab-parallel logits [b, s, vocab/tp] (or values [b, s, 1] for a critic).
@@ -32,9 +33,17 @@ def model_forward(model: torch.nn.Module, micro_batch: dict) -> torch.Tensor:
     if positions is None:
         positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
     # MoE routing replay: the routers use the rollout's experts for these tokens (megarl.models.moe_routing)
-    with replaying(model, micro_batch.get(ROUTES)):
+    with replaying(model, micro_batch.get(ROUTES)), device_rewrite_paused(is_dense(model)):
         return model(input_ids=ids, position_ids=positions, attention_mask=None,
                      packed_seq_params=micro_batch.get("packed_seq_params"))
+
+
+def is_dense(model) -> bool:
+    """A dense (no MoE), non-MLA model: its layers never name CUDA, so on CPU its forward and backward
+    may run without the device-rewrite mode (megarl.platform.cpu_compat.device_rewrite_paused).
+    MoE layers (aux-loss tracker) and MLA are left under the mode."""
+    config = model[0].config if isinstance(model, (list, tuple)) else model.config
+    return getattr(config, "num_moe_experts", None) is None and not getattr(config, "multi_latent_attention", False)
 
 
 def interleaved_count(count: int, dims: ParallelDims) -> int:

@@ -78,18 +78,66 @@ def enter_cuda_to_cpu_mode() -> None:
 
 
 _ORIGINAL_ENGINE_RUN_BACKWARD = torch.autograd.graph._engine_run_backward
+_PAUSED = False  # inside device_rewrite_paused(): torch calls run without the mode
+_BACKWARD_PAUSED = False  # inside backward_without_device_rewrite(): backward passes run without it
 
 
 def _engine_run_backward_in_mode(*args, **kwargs):
     # A mode is switched off while it handles a call, and `Tensor.backward`, `torch.autograd.backward`
     # (Megatron's schedules) and `torch.autograd.grad` are calls it handles: the whole backward pass
     # (Python autograd Functions, activation recompute, DDP grad hooks) would run without it and hit
-    # device='cuda'. All three reach the engine through this function, so switch the mode back on here.
+    # device='cuda'. All three reach the engine through this function, so switch the mode back on here
+    # (unless the caller paused it: device_rewrite_paused).
     mode = _CUDA_TO_CPU_MODE
-    if mode is None or mode in torch.overrides._get_current_function_mode_stack():
+    if mode is None or _PAUSED or _BACKWARD_PAUSED or mode in torch.overrides._get_current_function_mode_stack():
         return _ORIGINAL_ENGINE_RUN_BACKWARD(*args, **kwargs)
     with mode:
         return _ORIGINAL_ENGINE_RUN_BACKWARD(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def device_rewrite_paused(enabled: bool = True):
+    """Run a block without seam 2's mode: for code known not to name CUDA (a dense model's forward and
+    backward, transformers' generate).
+
+    A function mode routes every torch call through Python: about 2.5 us per call on CPU, ~25,000
+    calls per demo train step (9% of it), and all of HF generation. Megatron's literal device='cuda'
+    allocations are in the optimizer, grad scaler, clip_grads and the schedules' setup, not in a
+    dense model's layers (they allocate on `torch.cuda.current_device()`, seam 1, and `.cuda()` is
+    the identity). A no-op on GPU, where the mode is never entered, or when `enabled` is false.
+    """
+    global _PAUSED
+    mode = _CUDA_TO_CPU_MODE
+    if not enabled or mode is None or _PAUSED:
+        yield
+        return
+    stack = torch.overrides._get_current_function_mode_stack()
+    on_top = bool(stack) and stack[-1] is mode
+    _PAUSED = True
+    try:
+        if on_top:
+            with torch.overrides._pop_mode_temporarily():
+                yield
+        else:  # already switched off here (inside the mode's own handling of a call)
+            yield
+    finally:
+        _PAUSED = False
+
+
+@contextlib.contextmanager
+def backward_without_device_rewrite(enabled: bool = True):
+    """Backward passes started inside the block (by Megatron's schedule, which itself stays under the
+    mode) run without it: for a dense model, whose backward (Megatron's autograd Functions, the
+    gradient-buffer accumulation) names no CUDA device. See device_rewrite_paused."""
+    global _BACKWARD_PAUSED
+    if not enabled or _BACKWARD_PAUSED:
+        yield
+        return
+    _BACKWARD_PAUSED = True
+    try:
+        yield
+    finally:
+        _BACKWARD_PAUSED = False
 
 
 # --- seam 3: the RNG tracker -----------------------------------------------------------------------

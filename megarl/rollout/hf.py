@@ -16,6 +16,7 @@ from typing import Iterable, Sequence
 import torch
 
 from megarl.models.moe_routing import HFRouteRecorder
+from megarl.platform.cpu_compat import device_rewrite_paused
 from megarl.rollout.base import RolloutRequest, RolloutResult, SampleSpec, SamplingParams, expand_samples
 from megarl.rollout.sampling import process_logits, sample_rows
 
@@ -83,8 +84,11 @@ class HFRolloutEngine:
             raise RuntimeError("HFRolloutEngine.generate() after release_memory(): call load_weights()/resume_memory() first")
         specs = expand_samples(requests, sampling)
         results: list[RolloutResult] = []
-        for start in range(0, len(specs), self.max_batch_rows):
-            results.extend(self._decode(specs[start:start + self.max_batch_rows], sampling))
+        # transformers and the decode loop name no CUDA device: on CPU they run without Megatron's
+        # device-rewrite mode, which would route every torch call through Python (megarl.platform.cpu_compat).
+        with device_rewrite_paused():
+            for start in range(0, len(specs), self.max_batch_rows):
+                results.extend(self._decode(specs[start:start + self.max_batch_rows], sampling))
         return results
 
     def _decode(self, specs: list[SampleSpec], sampling: SamplingParams) -> list[RolloutResult]:

@@ -59,10 +59,10 @@ def sample_rows(processed_logprobs: torch.Tensor, generators: Sequence[torch.Gen
         return processed_logprobs.argmax(dim=-1)
     # One float64 uniform per live row from that row's CPU generator; the search runs batched
     # on the logits' device.
-    live = [i for i, g in enumerate(generators) if g is not None]
-    u = torch.zeros(len(generators), 1, dtype=torch.float64)
-    for i in live:
-        u[i, 0] = torch.rand((), generator=generators[i], dtype=torch.float64)
+    # Drawn as Python floats and made one tensor (two tensor ops per row, an index-put each, cost
+    # more than the model's decode step on the CPU demo); the same draws, so the same tokens.
+    u = torch.tensor([[torch.rand((), generator=g, dtype=torch.float64).item() if g is not None else 0.0]
+                      for g in generators], dtype=torch.float64)
     idx = inverse_cdf(processed_logprobs.double().exp(), u)
     dead = [i for i, g in enumerate(generators) if g is None]
     if dead:

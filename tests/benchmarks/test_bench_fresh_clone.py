@@ -35,7 +35,8 @@ def test_make_bench_passes_in_a_fresh_clone(tmp_path):
     if not (Path(sys.prefix) / "pyvenv.cfg").is_file():
         pytest.skip("needs the project's virtual environment (make setup)")
     os.symlink(sys.prefix, clone / ".venv")
-    env = dict(os.environ, PYTHONPATH=str(clone), OMP_NUM_THREADS="1")
+    # BENCH_TRL=0: no TRL venv install here (benchmarks/vs_trl.py makes it on first use; minutes of downloads).
+    env = dict(os.environ, PYTHONPATH=str(clone), OMP_NUM_THREADS="1", BENCH_TRL="0")
     proc = subprocess.run(["make", "-o", ".venv/.installed", "bench", "BENCH_STEPS=4"], cwd=clone, env=env,
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

@@ -67,3 +67,20 @@ def test_a_figure_may_carry_its_own_tolerance():
     assert suite.compare(now, base, tolerance=0.15)[1] == []  # 1.25x: inside its 30%
     now["metrics"]["sync/megarl_over_naive"]["value"] = 0.8
     assert suite.compare(now, base, tolerance=0.15)[1][0].startswith("sync/megarl_over_naive: 1.33x")
+
+
+def test_the_trl_ratio_and_the_per_optimizer_step_cost_are_gated_and_a_skipped_trl_run_is_not_missing():
+    base = {"machine_kind": "cpu-2", "metrics": {
+        "vs_trl/megarl_over_trl": {"value": 0.8, "gate": True, "tolerance": 0.30},
+        "ppo/update_actor_per_optimizer_step": {"value": 0.6, "gate": True}}}
+    now = {"machine_kind": "cpu-2", "metrics": {
+        "vs_trl/megarl_over_trl": {"value": 1.2, "gate": True},  # 1.5x its baseline
+        "ppo/update_actor_per_optimizer_step": {"value": 0.72, "gate": True}}}  # 1.2x
+    regressions = suite.compare(now, base, tolerance=0.15)[1]
+    assert regressions == ["PPO phase 'update_actor_per_optimizer_step': 1.20x its baseline (0.7200 vs 0.6000; tolerance 15%)",
+                           "vs_trl/megarl_over_trl: 1.50x its baseline (1.2000 vs 0.8000; tolerance 30%)"]
+    del now["metrics"]["vs_trl/megarl_over_trl"]
+    now["metrics"]["ppo/update_actor_per_optimizer_step"]["value"] = 0.6
+    assert suite.compare(now, base, tolerance=0.15)[1] == ["vs_trl/megarl_over_trl: measured in the baseline, missing now"]
+    lines, regressions = suite.compare({**now, "skipped": ["vs_trl/megarl_over_trl"]}, base, tolerance=0.15)
+    assert regressions == [] and any(line.strip().startswith("skipped") and "vs_trl" in line for line in lines)
