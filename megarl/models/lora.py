@@ -23,6 +23,10 @@ policy starts as the base model.
 
 Base weights are frozen (`freeze_base`) before DDP wraps the model, so Megatron's DDP gives them
 no gradient buffer and its optimizer neither a float32 main copy nor Adam state.
+
+It is long because the adapter's forward, its sharding rules per layer kind (column, row, expert)
+and the merge for export and weight sync must agree with one another: split apart, a change to one
+rule would silently leave the others computing another layout's numbers.
 """
 from __future__ import annotations
 

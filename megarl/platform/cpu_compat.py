@@ -6,6 +6,9 @@ own and a newer Megatron-Core release can be audited seam by seam; `SEAMS` says 
 each one is applied to. The layer is pinned to the Megatron-Core range it was audited against
 (`mcore_version`): anything else is refused with a clear message, because a silently missed seam
 shows up much later as a wrong gradient or a hang.
+
+It is long because the seams are audited together against one Megatron-Core release: one file,
+one function per seam, is what a reviewer walks when a new release lands.
 """
 from __future__ import annotations
 

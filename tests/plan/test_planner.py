@@ -138,6 +138,7 @@ def test_search_ranks_fitting_layouts_for_qwen25_7b():
 
 # Shipped configs and the cluster their headers state.
 SHIPPED = {"qwen2.5-0.5b-gsm8k.yaml": (QWEN25_05B, Cluster(1, 1, GPUS["h100-80gb"])),
+           "qwen2.5-0.5b-gsm8k-tool.yaml": (QWEN25_05B, Cluster(1, 1, GPUS["h100-80gb"])),
            # issue 14's 671B-class configs: 32 nodes of 8 H100s each (their headers)
            "deepseek-v3-671b.yaml": (DEEPSEEK_V3, Cluster(256, 8, GPUS["h100-80gb"])),
            "glm-4.5-355b.yaml": (GLM45, Cluster(256, 8, GPUS["h100-80gb"])),
