@@ -67,7 +67,8 @@ def test_two_node_run_equals_one_node_run(one_node_run, pp):
         results = run_on_two_nodes(nodes, ["launch/ppo.py", "--config", "configs/tiny_cpu.yaml", *overrides])
     for node, result in enumerate(results):
         assert result.returncode == 0, f"node {node} exited {result.returncode}:\n{result.stdout[-6000:]}"
-    assert f"megarl: world=4 tp=2 pp={pp} cp=1 dp={2 // pp}" in results[0].stdout, results[0].stdout[-3000:]
+    # tp2 runs with sequence parallelism, the default at tp > 1 ("sp" in the layout line)
+    assert f"megarl: world=4 tp=2 sp pp={pp} cp=1 dp={2 // pp}" in results[0].stdout, results[0].stdout[-3000:]
     a, b = read_metrics(one_node_run), read_metrics(run_dir)
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))
     for ra, rb in zip(a, b):

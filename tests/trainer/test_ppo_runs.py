@@ -176,7 +176,8 @@ def test_separate_placement_at_k0_logs_what_colocated_logs(tmp_path_factory, sin
     so the same metrics as one colocated process; the rollout rank received exactly its shard."""
     root = single_process_run.parent
     run_dir = tmp_path_factory.mktemp("separate") / "k0"
-    launch_ok(2, small_run_overrides(root, run_dir, **{"trainer.total_steps": 2}, **SEPARATE))
+    # (the one-process run trains with TIS under top_p: the same here, the ratio from the rollout rank's log-probs)
+    launch_ok(2, small_run_overrides(root, run_dir, **{"trainer.total_steps": 2}, **SEPARATE, **CORRECTION))
     single, separate = read_metrics(single_process_run), read_metrics(run_dir)
     assert len(single) == len(separate) == 2
     _assert_close(single, separate, rel=1e-3)
