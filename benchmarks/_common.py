@@ -34,12 +34,17 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or platform.machine()
 
 
+def write_result(result: dict, out: str) -> None:
+    """The result JSON to `out` (its folder made) and to stdout."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+
+
 def finish(result: dict, out: str, dims) -> int:
     """Rank 0 writes and prints the result; every rank then leaves the process group."""
     if dims.rank == 0:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=1) + "\n")
-        print(json.dumps(result, indent=1))
+        write_result(result, out)
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import write_result  # benchmarks/_common.py
+
 REPO = Path(__file__).resolve().parents[1]
 # fixed-length responses, one update epoch: generation and training about equal on one rank each
 DEFAULTS = {"rollout.ignore_eos": "true", "rollout.max_new_tokens": 12, "data.prompts_per_step": 16,
@@ -92,9 +94,7 @@ def main() -> int:
         "separate_async_over_separate_sync": round(modes[best]["samples_per_s"] / modes["separate_sync"]["samples_per_s"], 3),
         "separate_async_over_colocated_sync": round(modes[best]["samples_per_s"] / modes["colocated_sync"]["samples_per_s"], 3),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result, indent=1))
+    write_result(result, args.out)
     return 0
 
 

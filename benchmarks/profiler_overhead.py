@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import write_result  # benchmarks/_common.py
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -63,9 +65,7 @@ def main(argv=None) -> int:
         "note": "one process each; CPU seconds of the PPO phases (benchmarks/_ppo_probe.py) divided by a calibration "
                 "workload timed around the same step; medians over the steps after the recorded one",
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result, indent=1))
+    write_result(result, args.out)
     return 0
 
 

@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import write_result  # benchmarks/_common.py
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -52,9 +54,7 @@ def main() -> int:
         "median_tokens_per_second_per_rank": round(statistics.median(r["perf/throughput"] for r in rows), 1),
         "final_score_mean": rows[-1]["critic/score/mean"],
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result, indent=1))
+    write_result(result, args.out)
     return 0
 
 
