@@ -32,11 +32,7 @@ def _check(model_dir, dims, targets=None):
     params = megarl_adapter_params([model], spec, dims)
     if targets is not None:
         assert {n.rsplit(".", 1)[1] for n in params} == set(targets)
-    values = random_adapters({n: (b.shape[0], a.shape[1]) for n, (a, b) in params.items()}, RANK, seed=3)
-    with torch.no_grad():
-        for n, (a, b) in params.items():
-            a.copy_(values[n][0])
-            b.copy_(values[n][1])
+    values = _load_random_adapters(params, seed=3)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, spec.vocab_size, (2, 10), generator=g)
     weights = torch.randn(2, 9, generator=g, dtype=torch.float64)
@@ -89,6 +85,16 @@ def _check(model_dir, dims, targets=None):
         del named
 
 
+def _load_random_adapters(params: dict, seed: int) -> dict:
+    """Seeded non-zero adapters (lora_reference.random_adapters) copied into megarl's (A, B) pairs."""
+    values = random_adapters({n: (b.shape[0], a.shape[1]) for n, (a, b) in params.items()}, RANK, seed=seed)
+    with torch.no_grad():
+        for n, (a, b) in params.items():
+            a.copy_(values[n][0])
+            b.copy_(values[n][1])
+    return values
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_lora_gradients_match_reference(tiny_models, world_of_one, arch):
     _check(tiny_models[arch], world_of_one)
@@ -133,11 +139,7 @@ def test_peft_adapter_and_merged_export_give_megarl_logprobs(tiny_models, world_
     model_dir = tiny_models["qwen2"]  # q/k/v biases: the adapters sit beside them
     engine = MegatronEngine(str(model_dir), world_of_one, EngineConfig(lora=options), trainable=False)
     params = megarl_adapter_params(engine.chunks, engine.spec, world_of_one)
-    values = random_adapters({n: (b.shape[0], a.shape[1]) for n, (a, b) in params.items()}, RANK, seed=5)
-    with torch.no_grad():
-        for n, (a, b) in params.items():
-            a.copy_(values[n][0])
-            b.copy_(values[n][1])
+    values = _load_random_adapters(params, seed=5)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, engine.spec.vocab_size, (2, 12), generator=g)
     positions = torch.arange(12).unsqueeze(0).expand(2, -1)
