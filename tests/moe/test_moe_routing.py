@@ -113,7 +113,8 @@ def test_aux_loss_is_off_by_default_and_reported_when_on(models, recorded, world
 
 def test_hf_engine_records_the_experts_megatron_routes_to(models, recorded, world_of_one):
     # Same weights, float32: the actor's own routing equals the recorded one at every recorded
-    # token (prompt tokens of left-padded rows, and every decoded token but the last).
+    # token (prompt tokens, and every decoded token but the last; each prompt's samples are
+    # decoded as one batch while routes are recorded, so no row is left-padded).
     requests, results = recorded
     batch = batch_of(requests, results)
     lengths = [len(s) for s in batch.input_ids]
