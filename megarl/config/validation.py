@@ -127,9 +127,6 @@ def _check_context_parallel(cfg: Config) -> None:
         # megarl's dp * cp loss scale: not checked against one process yet.
         raise ConfigError(f"parallel.cp = {p.cp} with actor.moe_aux_loss_coeff > 0 is not built yet; set "
                           f"actor.moe_aux_loss_coeff=0 (the RL default) with context parallelism")
-    if p.tp > 1 and p.sequence_parallel:
-        raise ConfigError(f"parallel.cp = {p.cp} with parallel.tp = {p.tp} and parallel.sequence_parallel=true is not "
-                          f"built yet; set parallel.sequence_parallel=false, or parallel.tp=1")
 
 
 def layout_of(p: ParallelConfig, world_size: int) -> ParallelLayout:

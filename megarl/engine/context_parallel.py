@@ -11,7 +11,8 @@ same `dp_rank`); each runs the model on its share of every packed row:
   `PackedSeqParams` keeps the *global* padded boundaries (`cu_seqlens_*_padded` too, which
   Megatron's thd RoPE and TE's CP attention read) and the global max length. The full ids stay as
   `full_input_ids` for the targets: labels are taken before the split, never rolled after it
-  (verl#4250). Routing-replay routes are split the same way.
+  (verl#4250). Routing-replay routes are split the same way, then (sequence parallelism) cut into
+  the tp contiguous blocks of this rank's tokens that its TP ranks' routers see.
 - **Outputs** (`select` / `spread`): each rank computes log-probs, entropy or values for the
   response positions it holds, scatters them into a zero `[rows, R]` tensor and sums it over the
   CP group, forward only (identity backward). Every CP rank then holds the same full tensor and
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.models.context_parallel import cp_index
-from megarl.models.moe_routing import ROUTES
+from megarl.models.moe_routing import ROUTES, sequence_parallel_shard
 
 
 def padded_length(n: int, cp: int) -> int:
@@ -44,8 +45,10 @@ def width_multiple(tp: int, cp: int) -> int:
     return math.lcm(8 * tp, 2 * cp * tp)
 
 
-def shard(mb: dict, cp: int, rank: int) -> None:
-    """Turn a built packed micro-batch (global row) into this CP rank's, in place."""
+def shard(mb: dict, cp: int, rank: int, sp_shard: tuple[int, int] | None = None) -> None:
+    """Turn a built packed micro-batch (global row) into this CP rank's, in place. sp_shard:
+    (tp rank, tp) under sequence parallelism, whose routers see the tp-rank-th contiguous block
+    of this CP rank's tokens (so the routes are split by CP first, then by SP)."""
     params = mb["packed_seq_params"]
     cu = params.cu_seqlens_q
     idx = cp_index(cu.cpu(), cp, rank).to(mb["input_ids"].device)
@@ -61,6 +64,8 @@ def shard(mb: dict, cp: int, rank: int) -> None:
     mb["cp_width"] = width
     if ROUTES in mb:  # [tokens, layers, topk] in row order (one packed row: token t is router token t)
         mb[ROUTES] = mb[ROUTES][idx]
+        if sp_shard is not None:
+            mb[ROUTES] = sequence_parallel_shard(mb[ROUTES], *sp_shard)
 
 
 def check_same_batches(micro_batches: list[dict], group) -> None:

@@ -227,13 +227,14 @@ class MegatronEngine:
         plan.bins += [list(filler) for _ in range(interleaved_count(len(plan.bins), self.dims) - len(plan.bins))]
         with device_rewrite_paused():  # megarl's own tensors: no CUDA device named (cpu_compat)
             built = micro_batches.build(plan, batch, rows, fields, self.device)
+        sp_shard = (self.dims.tp_rank, self.dims.tp) if self.dims.sequence_parallel else None
         if batch.routes is not None and any(moe_routing.has_replay(c) for c in self.chunks):  # the rollout's experts
             moe_routing.attach_routes(built, batch.routes, [context_parallel.padded_length(len(s), cp) for s in batch.input_ids],
                                       context_parallel.padded_length(len(micro_batches.FILLER), cp), self.spec.num_layers, self.spec.moe_topk,
-                                      sp_shard=(self.dims.tp_rank, self.dims.tp) if self.dims.sequence_parallel else None)
-        if cp > 1:
+                                      sp_shard=sp_shard if cp == 1 else None)
+        if cp > 1:  # the routes' SP shard is taken after the CP split: SP splits this rank's tokens
             for mb in built:
-                context_parallel.shard(mb, cp, self.dims.cp_rank)
+                context_parallel.shard(mb, cp, self.dims.cp_rank, sp_shard)
             context_parallel.check_same_batches(built, self.dims.cp_group)
         return built
 

@@ -87,9 +87,28 @@ class HFRolloutEngine:
         # transformers and the decode loop name no CUDA device: on CPU they run without Megatron's
         # device-rewrite mode, which would route every torch call through Python (megarl.platform.cpu_compat).
         with device_rewrite_paused():
-            for start in range(0, len(specs), self.max_batch_rows):
-                results.extend(self._decode(specs[start:start + self.max_batch_rows], sampling))
+            for batch in self._batches(specs):
+                results.extend(self._decode(batch, sampling))
         return results
+
+    def _batches(self, specs: list[SampleSpec]) -> list[list[SampleSpec]]:
+        """The rows decoded together: up to max_batch_rows; while recording routes, each prompt's
+        samples alone. A near-tied router's choice follows the rounding of the batch's matmuls (its
+        rows, its left padding), so routes recorded on whatever rows a rollout group was handed would
+        depend on how the layout shares the prompts out (measured on the near-tied qwen3_moe of
+        benchmarks/routing_replay.py: 19 of 784 token-layer routes differ between one batch of 32
+        rows and two of 16), and routing replay would train each layout on other experts. A
+        prompt's samples are never split over rollout groups (megarl.hybrid.dispatch)."""
+        size = self.max_batch_rows
+        if not self.record_routes:
+            return [specs[start:start + size] for start in range(0, len(specs), size)]
+        batches: list[list[SampleSpec]] = []
+        for spec in specs:
+            if batches and batches[-1][-1].request is spec.request and len(batches[-1]) < size:
+                batches[-1].append(spec)
+            else:
+                batches.append([spec])
+        return batches
 
     def _decode(self, specs: list[SampleSpec], sampling: SamplingParams) -> list[RolloutResult]:
         if not self.record_routes:

@@ -163,9 +163,7 @@ def test_shipped_configs_validate_unchanged_with_their_model_cached(name, cache,
     validate(cfg, world_size=world)
     check_model_path(cfg)
     check_model_layout(cfg)  # against the cached config.json
-    # (context parallelism with sequence parallelism is not built yet: SP off where the config has cp > 1)
-    broken = load_config(str(REPO / "configs" / name),
-                         ["parallel.tp=3"] + (["parallel.sequence_parallel=false"] if cfg.parallel.cp > 1 else []))
+    broken = load_config(str(REPO / "configs" / name), ["parallel.tp=3"])
     with pytest.raises(ConfigError, match=r"parallel.tp = 3 does not divide the model.s \d+ (attention|key/value) heads"):
         check_model_layout(broken)  # the proof that the cached config.json was read
 

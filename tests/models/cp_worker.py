@@ -10,7 +10,10 @@ group lifetime (groups rebuilt per layout). With 2 ranks:
             (exported weights bit-equal to the saved ones), then a second update on each side
             (the cp2 one continuing), which must agree.
   cli       `megarl.tools.logprobs --cp 2` on --models[0] (it ends the process group), with --cli-dir.
-With 4 ranks, `logprobs` at cp2 x tp2 and the updates at cp2 x tp2 against tp2 x dp2.
+With 4 ranks (tp2 with sequence parallelism, megarl's default at tp > 1): `logprobs` at cp2 x dp2
+and at cp2 x tp2; `update` and `ckpt` at cp2 x tp2 against dp4 (= one process, tests/engine);
+`replay` (--replay-models ROLLOUT ACTOR, tests/moe/replay_cases.py) routing replay at cp2 x tp2,
+where each TP rank replays the routes of its SP block of its CP share of the tokens; `cli` with --tp 2.
 
 Results (rank 0) to --out with torch.save.
 """
@@ -101,6 +104,28 @@ def updates(model: str, layout: dict, ckpt: str, save: bool) -> dict:
     return out
 
 
+def replay(rollout_model: str, actor_model: str, layout: dict) -> dict:
+    """Routing replay at `layout`: old log-probs (gathered over DP, global row order), the grad norm
+    of one update and the largest replayed-vs-old log-prob gap in it (replay_cases.forward_and_update)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "moe"))
+    from replay_cases import batch_of, forward_and_update, recorded_results
+
+    from megarl.models.moe_routing import RouterOptions
+
+    requests, results = recorded_results(Path(rollout_model))
+    dims = dims_from_env(**layout).initialize()
+    cfg = EngineConfig(dtype="float32", routing=RouterOptions(replay=True), optim=OptimConfig(lr=1e-2, weight_decay=0.0, max_grad_norm=0.0))
+    engine = MegatronEngine(actor_model, dims, cfg)
+    logprobs, grad_norm, gap = forward_and_update(engine, batch_of(requests, results, dims.dp_rank, dims.dp), num_global=len(results))
+    parts: list = [None] * dims.world_size
+    dist.all_gather_object(parts, (dims.dp_rank, logprobs, gap))
+    full = torch.zeros(len(results), logprobs.shape[1])
+    for dp_rank, lp, _ in parts:
+        full[dp_rank::dims.dp] = lp
+    dims.destroy()
+    return {"logprobs": full, "grad_norm": grad_norm, "gap": max(g for _, _, g in parts)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="+", required=True)
@@ -108,17 +133,22 @@ def main() -> None:
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--cli-dir", help="run megarl.tools.logprobs --cp 2 on CLI_DIR/in.jsonl into CLI_DIR/out.jsonl")
+    p.add_argument("--replay-models", nargs=2, metavar=("ROLLOUT", "ACTOR"), help="routing replay at the CP layout")
     args = p.parse_args()
     world = int(os.environ["WORLD_SIZE"])
     tp = 2 if world == 4 else 1
-    cp_layout, ref_layout = dict(cp=2, tp=tp), dict(tp=tp)
-    result = {"logprobs": {}}
+    cp_layout, ref_layout = dict(cp=2, tp=tp, sequence_parallel=tp > 1), dict()
+    logprob_layouts = {"cp2": dict(cp=2)} | ({"cp2xtp2": cp_layout} if tp > 1 else {})
+    result = {"logprobs": {name: {} for name in logprob_layouts}}
     for model in args.models:
-        # budget 24: several sequences per micro-batch (padded to 4 each), a filler row
-        result["logprobs"][Path(model).name] = logprob_diffs(model, cp_layout, 24)
-    # checkpoint written at cp2 after the first update, loaded at dp2 (tp2 x dp2 with 4 ranks)
+        for name, layout in logprob_layouts.items():
+            # budget 24: several sequences per micro-batch (padded to 4 each), a filler row
+            result["logprobs"][name][Path(model).name] = logprob_diffs(model, layout, 24)
+    # checkpoint written at cp2 (x tp2) after the first update, loaded at dp2 (dp4 with 4 ranks)
     result["cp"] = updates(args.train_model, cp_layout, args.ckpt, save=True)
     result["ref"] = updates(args.train_model, ref_layout, args.ckpt, save=False)
+    if args.replay_models:
+        result["replay"] = replay(*args.replay_models, cp_layout)
     if dist.get_rank() == 0:
         torch.save(result, args.out)
     dist.barrier()

@@ -1,7 +1,8 @@
 """Context parallelism (`parallel.cp`): the 2*cp chunk split worked by hand, megarl's CP attention
 math against per-sequence causal attention (one process, the all-gather simulated), the packed
-layout under CP, the config refusals, and (torchrun) every family's log-probs against transformers,
-the actor/critic update against one process and a checkpoint moving from cp2 to dp2."""
+layout under CP (routes split by CP, then by SP), the config refusals, and (torchrun, 4 ranks) every
+family's log-probs against transformers at cp2 and cp2 x tp2 with sequence parallelism, the actor/critic
+update and routing replay at cp2 x tp2 against one process, and a checkpoint moving from cp2 x tp2 to dp4."""
 from __future__ import annotations
 
 import json
@@ -60,6 +61,12 @@ def test_packed_row_pads_each_sequence_inside_its_segment():
     assert mb["full_input_ids"].shape == (1, 16) and mb["cp_width"] == 16
     assert mb["packed_seq_params"].cu_seqlens_q_padded.tolist() == [0, 4, 12, 16]
     assert mb["cp_local_of"][[1, 2, 6, 0]].tolist() == [0, 1, 2, -1]
+    # cp2 x tp2 with sequence parallelism: CP rank 1's 8 tokens, then TP rank 1's second SP block of
+    # them (its routers see local tokens 4-7); splitting by SP first would give other tokens' routes
+    again, _ = _packed([[1, 2, 3], [4, 5, 6, 7, 8]], 16, torch.device("cpu"), seq_multiple=4)
+    again[ROUTES] = torch.arange(16).reshape(16, 1, 1)
+    ecp.shard(again, 2, 1, sp_shard=(1, 2))
+    assert again[ROUTES].flatten().tolist() == [8, 9, 13, 14]
 
 
 @pytest.mark.parametrize("cp", [2, 3])
@@ -94,6 +101,8 @@ def _cfg(*overrides):
 
 def test_config_accepts_cp_and_refuses_what_is_not_built():
     assert validate(_cfg("parallel.cp=2", "model.sequence_packing=true"), world_size=2).dp == 1
+    both = _cfg("parallel.cp=2", "parallel.tp=2", "model.sequence_packing=true")
+    assert both.parallel.sequence_parallel and validate(both, world_size=4).dp == 1  # with SP, on by default at tp > 1
     for overrides, words in ((["model.sequence_packing=false"], "model.sequence_packing=true"),
                              (["model.sequence_packing=true", "parallel.pp=2"], "parallel.pp=1"),
                              (["model.sequence_packing=true", "actor.moe_aux_loss_coeff=0.01"], "actor.moe_aux_loss_coeff=0")):
@@ -104,16 +113,36 @@ def test_config_accepts_cp_and_refuses_what_is_not_built():
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_cp2_logprobs_updates_and_checkpoint(tmp_path):
+def test_cp2_and_cp2_x_tp2_logprobs_updates_replay_and_checkpoint(tmp_path, world_of_one):
+    """One 4-rank launch (tests/models/cp_worker.py): cp2 (x dp2) and cp2 x tp2 with sequence
+    parallelism. Every family's log-probs against transformers at both; the actor and critic update
+    and routing replay (a MoE actor) at cp2 x tp2 against one process; its checkpoint loaded at dp4."""
+    sys.path.insert(0, str(REPO / "tests" / "moe"))
+    from replay_cases import batch_of, forward_and_update, make_models, recorded_results
+
+    from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
+    from megarl.models.moe_routing import RouterOptions
+
     models = [make_model(tmp_path / a, a, vocab_size=301, tie=(a == "llama"), seed=i)
               for i, a in enumerate(FAMILIES + FAMILIES_671B)]
+    rollout, actor = make_models(tmp_path / "replay")
     out = tmp_path / "cp.pt"
     cli_sequences = [[5, 17, 230, 4, 9, 88, 1], [300, 2, 41], list(range(40, 53))]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in cli_sequences))
-    torchrun(2, ["tests/models/cp_worker.py", "--models", *map(str, models), "--train-model", str(models[2]),
-                 "--ckpt", str(tmp_path / "ckpt"), "--out", str(out), "--cli-dir", str(tmp_path)], timeout=900)
+    torchrun(4, ["tests/models/cp_worker.py", "--models", *map(str, models), "--train-model", str(models[2]),
+                 "--ckpt", str(tmp_path / "ckpt"), "--out", str(out), "--cli-dir", str(tmp_path),
+                 "--replay-models", str(rollout), str(actor)], timeout=900)
     r = torch.load(out, weights_only=False)
-    # megarl.tools.logprobs --cp 2 (llama) against transformers
+    # Routing replay at cp2 x tp2: each TP rank replays the routes of its SP block of its CP share
+    # (split by CP first, then by SP), so the numbers are one process's.
+    requests, results = recorded_results(rollout)
+    engine = MegatronEngine(str(actor), world_of_one, EngineConfig(dtype="float32", routing=RouterOptions(replay=True),
+                                                                  optim=OptimConfig(lr=1e-2, weight_decay=0.0, max_grad_norm=0.0)))
+    ref_logprobs, ref_norm, _ = forward_and_update(engine, batch_of(requests, results), num_global=len(results))
+    got = r["replay"]
+    assert (got["logprobs"] - ref_logprobs).abs().max() <= 1e-5
+    assert got["grad_norm"] == pytest.approx(ref_norm, rel=1e-5) and got["gap"] <= 1e-5
+    # megarl.tools.logprobs --cp 2 --tp 2 (llama) against transformers
     from cp_worker import hf_reference
 
     got = [json.loads(line)["logprobs"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
@@ -121,9 +150,11 @@ def test_cp2_logprobs_updates_and_checkpoint(tmp_path):
     assert [len(g) for g in got] == [len(s) - 1 for s in cli_sequences]
     for g, w in zip(got, want):
         torch.testing.assert_close(torch.tensor(g), w, rtol=0, atol=1e-4)
-    assert set(r["logprobs"]) == set(FAMILIES + FAMILIES_671B)  # MoE (mixtral, qwen3_moe) and MLA (deepseek_v3) included
-    for family, diff in r["logprobs"].items():
-        assert diff["logprobs"] < 1e-4 and diff["entropy"] < 1e-4, (family, diff)
+    assert list(r["logprobs"]) == ["cp2", "cp2xtp2"]
+    for layout, by_family in r["logprobs"].items():
+        assert set(by_family) == set(FAMILIES + FAMILIES_671B)  # MoE (mixtral, qwen3_moe) and MLA (deepseek_v3) included
+        for family, diff in by_family.items():
+            assert diff["logprobs"] < 1e-4 and diff["entropy"] < 1e-4, (layout, family, diff)
     for role in ("actor", "critic"):
         cp, ref = r["cp"][role], r["ref"][role]
         assert len(cp["grad_norms"]) == 2 and all(n > 0 for n in cp["grad_norms"])
@@ -132,7 +163,7 @@ def test_cp2_logprobs_updates_and_checkpoint(tmp_path):
         for name, w in ref["weights"].items():
             torch.testing.assert_close(cp["weights"][name], w, rtol=1e-5, atol=1e-6, msg=name)
     saved, loaded = r["cp"]["actor"]["weights"], r["ref"]["loaded"]
-    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)  # cp2 -> dp2 exactly
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)  # cp2 x tp2 -> dp4 exactly
     second_cp, second_dp = r["cp"]["second"], r["ref"]["second"]
     assert second_dp["grad_norms"] == pytest.approx(second_cp["grad_norms"], rel=1e-5)
     for name, w in second_cp["weights"].items():

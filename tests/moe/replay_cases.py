@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-PROMPTS = [(5, 6, 7, 8), (9, 10), (11, 12, 13, 14, 15, 16), (17,)]  # different lengths: left padding, packing
+PROMPTS = [(5, 6, 7, 8), (9, 10), (11, 12, 13, 14, 15, 16), (17,)]  # different lengths: padding, packing
 SAMPLES, RESPONSE_LEN = 2, 6
 
 

@@ -113,7 +113,8 @@ def test_aux_loss_is_off_by_default_and_reported_when_on(models, recorded, world
 
 def test_hf_engine_records_the_experts_megatron_routes_to(models, recorded, world_of_one):
     # Same weights, float32: the actor's own routing equals the recorded one at every recorded
-    # token (prompt tokens of left-padded rows, and every decoded token but the last).
+    # token (prompt tokens, and every decoded token but the last; each prompt's samples are
+    # decoded as one batch while routes are recorded, so no row is left-padded).
     requests, results = recorded
     batch = batch_of(requests, results)
     lengths = [len(s) for s in batch.input_ids]
@@ -244,18 +245,43 @@ def test_moe_run_with_replay_matches_its_rollout(tmp_path):
         assert 0.5 < r["actor/moe_aux_loss"] < 4.0, r
 
 
+def test_recorded_routes_do_not_depend_on_how_the_prompts_are_shared_out(tmp_path):
+    """The hf engine decodes each prompt's samples alone while it records routes: on the near-tied
+    qwen3_moe a router's choice follows the rounding of the batch's matmuls, so routes recorded in
+    one batch of 32 rows (one process) differed from those of two batches of 16 (two rollout groups)
+    in 19 of 784 token-layer routes, and replay trained the layouts on different experts."""
+    from routing_replay import make_model
+    from transformers import AutoModelForCausalLM
+
+    from megarl.rollout.base import RolloutRequest, SamplingParams
+    from megarl.rollout.hf import HFRolloutEngine
+
+    model = AutoModelForCausalLM.from_pretrained(make_model(tmp_path / "model", near_tie=True), dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 12, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(8)]
+    engine = HFRolloutEngine(model)
+    engine.record_routes = True
+    sampling = SamplingParams(n=4, max_new_tokens=8, seed=5)
+    requests = [RolloutRequest(p, i) for i, p in enumerate(prompts)]
+    whole = engine.generate(requests, sampling)  # one process: every prompt on one engine
+    halves = engine.generate(requests[:4], sampling) + engine.generate(requests[4:], sampling)  # two rollout groups
+    assert [r.response_token_ids for r in whole] == [r.response_token_ids for r in halves]
+    assert all(torch.equal(a.routed_experts, b.routed_experts) for a, b in zip(whole, halves))
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_grpo_with_replay_at_tp2_with_sequence_parallelism_against_one_process(tmp_path):
+def test_grpo_with_replay_at_tp2_and_cp2_x_tp2_against_one_process(tmp_path):
     """2 GRPO steps with routing replay and frozen routers on the near-tied qwen3_moe, at tp2 with
     sequence parallelism (the default at tp > 1: each TP rank replays the routes of its own s/tp
-    tokens) and in one process. The actor's log-probs equal the rollout's to float32 noise at both
-    steps (replay on the SP shard). Step 1's metrics match one process; its pg_loss and ppo_kl only
-    to 1e-2, not tests/trainer/test_ppo_runs.py's 1e-3: this near-tied model is that sensitive under
-    any second layout (measured: ep2 at tp1, a layout megarl has long accepted, differs from one
-    process by the same 2.6e-3 in ppo_kl as tp2 does, and ep2 and tp2 agree to 2e-6), so step 2,
-    whose rollout follows the updated weights, is not compared. Without the auxiliary loss: it
-    counts the padding tokens, and packed rows are padded to a multiple of 8 x tp, so with it the
+    tokens), at cp2 x tp2 (4 ranks: the SP block of each CP rank's tokens) and in one process. The
+    actor's log-probs equal the rollout's to float32 noise at both steps. Step 1's metrics match one
+    process within 1e-3, as tests/trainer/test_ppo_runs.py's layouts do: the hf engine records routes
+    per prompt, so every layout's rollout recorded the same routes (before, routes recorded on each
+    rollout group's share of the prompts differed from one process's on near-tied tokens and pg_loss
+    and ppo_kl matched only to 1e-2). Step 2, whose rollout follows the updated weights, is not
+    compared: float32 noise in those weights may flip a near-tied route. Without the auxiliary loss:
+    it counts the padding tokens, and packed rows are padded to a multiple of 8 x tp, so with it the
     layouts train on slightly different losses (as dp splits do: RouterOptions)."""
     import json
 
@@ -282,12 +308,13 @@ def test_grpo_with_replay_at_tp2_with_sequence_parallelism_against_one_process(t
         return proc, rows
 
     _, single = run("single", 0)
-    proc, tp2 = run("tp2", 2, **{"parallel.tp": 2})
-    assert "tp=2 sp" in proc.stdout  # the layout ran with sequence parallelism
-    assert len(single) == len(tp2) == 2
-    for b in tp2:
-        assert b["training/rollout_probs_diff_max"] <= 1e-4, b
-    a, b = single[0], tp2[0]
-    for k, rel in (("critic/score/mean", 1e-6), ("actor/grad_norm", 1e-4), ("actor/entropy", 1e-4), ("actor/pg_loss", 1e-2),
-                   ("actor/ppo_kl", 1e-2)):
-        assert b[k] == pytest.approx(a[k], rel=rel, abs=1e-9), f"step 1 {k}: {a[k]} vs {b[k]}"
+    assert len(single) == 2
+    for name, nproc, layout in (("tp2", 2, {"parallel.tp": 2}), ("cp2xtp2", 4, {"parallel.tp": 2, "parallel.cp": 2})):
+        proc, rows = run(name, nproc, **layout)
+        assert f"tp=2 sp pp=1 cp={layout.get('parallel.cp', 1)}" in proc.stdout  # with sequence parallelism
+        assert len(rows) == 2
+        for b in rows:
+            assert b["training/rollout_probs_diff_max"] <= 1e-4, b
+        a, b = single[0], rows[0]
+        for k in ("critic/score/mean", "actor/grad_norm", "actor/entropy", "actor/pg_loss", "actor/ppo_kl"):
+            assert b[k] == pytest.approx(a[k], rel=1e-3, abs=1e-9), f"{name} step 1 {k}: {a[k]} vs {b[k]}"

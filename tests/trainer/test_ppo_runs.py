@@ -59,7 +59,8 @@ OFFLOAD_ALL = {"ref.param_offload": "true",
                **{f"{role}.{part}_offload": "true" for role in ("actor", "critic") for part in ("param", "grad", "optimizer")}}
 
 
-@pytest.mark.parametrize("nproc,tp,pp,cp", [(2, 2, 1, 1), (2, 1, 2, 1), (2, 1, 1, 1), (2, 1, 1, 2)], ids=["tp2", "pp2", "dp2", "cp2"])
+@pytest.mark.parametrize("nproc,tp,pp,cp", [(2, 2, 1, 1), (2, 1, 2, 1), (2, 1, 1, 1), (2, 1, 1, 2), (4, 2, 1, 2)],
+                         ids=["tp2", "pp2", "dp2", "cp2", "cp2xtp2"])
 def test_same_run_under_every_layout(tmp_path_factory, nproc, tp, pp, cp, single_process_run):
     root = single_process_run.parent
     run_dir = tmp_path_factory.mktemp(f"layout_tp{tp}_pp{pp}_cp{cp}")
@@ -68,7 +69,8 @@ def test_same_run_under_every_layout(tmp_path_factory, nproc, tp, pp, cp, single
     proc = launch_ok(nproc, small_run_overrides(root, run_dir, **{"trainer.total_steps": 2, "parallel.tp": tp, "parallel.pp": pp,
                                                                                      "parallel.cp": cp},
                                                 **offload, **CORRECTION))
-    # tp2 runs with sequence parallelism, the default at tp > 1 (the critic's value head on the SP shard)
+    # tp2 runs with sequence parallelism, the default at tp > 1 (the critic's value head on the SP
+    # shard), under context parallelism too (cp2 x tp2: the SP shard of each CP rank's tokens)
     assert (f"tp={tp} sp " in proc.stdout) == (tp > 1), proc.stdout
     _assert_close(read_metrics(single_process_run), read_metrics(run_dir), rel=1e-3,
                   keys=COMPARED + ("rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_max"))
