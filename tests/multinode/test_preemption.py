@@ -96,7 +96,7 @@ def _samples_log(run_dir: Path) -> dict[int, list]:
 
 
 def test_kill_9_at_k1_then_resume_trains_each_sample_once(tmp_path):
-    """Issue 24: separate placement at async.max_staleness=1 (1 training + 1 rollout rank), both
+    """Issue 24: separate placement at async.max_staleness=1 with partial rollout (1 training + 1 rollout rank), both
     processes SIGKILLed mid-run (no handler runs: a lost node), then the same command. The steps
     kept from the killed run and the resumed ones train, between them, every prompt of the data
     order once, none twice, none skipped (the prompts in flight at the checkpoint are drawn again),
@@ -109,7 +109,7 @@ def test_kill_9_at_k1_then_resume_trains_each_sample_once(tmp_path):
         "trainer.total_steps": total, "data.prompts_per_step": prompts, "rollout.samples_per_prompt": n,
         "algorithm.adv_estimator": "grpo", "actor.ppo_epochs": 1, "trainer.save_every_steps": 1,
         "rollout.placement": "separate", "rollout.num_ranks": 1, "async.max_staleness": 1,
-        "tracking.sample_ids": "true"})
+        "async.partial_rollout": "true", "tracking.sample_ids": "true"})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "launch/ppo.py",
            "--config", "configs/tiny_cpu.yaml", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -147,8 +147,9 @@ def test_kill_9_at_k1_then_resume_trains_each_sample_once(tmp_path):
         assert [r[0] for r in records[::n]] == expected[step], (step, stopped)
         versions = {v for r in records for v in r[3]}
         # K = 1: step s trains version s-1 on samples of version s-2 at the oldest (s-1 when the
-        # rollout rank took its request after the next weights came); step 1 and the first step
-        # after the resume have nothing older: the initial weights, the resumed ones
+        # next weights reached the rollout rank before or during the request: a partial rollout's
+        # tokens carry both); step 1 and the first step after the resume have nothing older: the
+        # initial weights, the resumed ones
         allowed = {step - 1} if step in (1, stopped + 1) else {step - 2, step - 1}
         assert versions and versions <= allowed, (step, stopped, versions)
     rows = [r[0] for step in sorted(resumed) for r in resumed[step][::n]]
