@@ -36,11 +36,11 @@ from pathlib import Path
 from _common import write_result  # benchmarks/_common.py
 
 REPO = Path(__file__).resolve().parents[1]
-# fixed-length responses, 2 update epochs: measured in separate-sync (2026-12-02, after issue 28's
-# fixed-cost cuts) the rollout rank generated for 0.26 s a step, the training rank was busy 0.47 s
-# with 3 epochs (0.14 s each); 2 put the training rank within ~30% of generation
+# fixed-length responses, 3 update epochs: in separate-sync runs with 2 (2026-12-02, load 17-58) the
+# rollout rank generated for 0.64-0.74 s a step while the training rank was busy 0.31-0.48 s (one
+# epoch ~0.14 s); with 1 (the first version of this benchmark) generation took 2.4x the training
 DEFAULTS = {"rollout.ignore_eos": "true", "rollout.max_new_tokens": 12, "data.prompts_per_step": 16,
-            "rollout.samples_per_prompt": 8, "actor.ppo_epochs": 2, "actor.ppo_mini_batches": 2,
+            "rollout.samples_per_prompt": 8, "actor.ppo_epochs": 3, "actor.ppo_mini_batches": 2,
             "rollout.verify_weights": "false", "tracking.loggers": "[console,jsonl]", "tracking.progress_bar": "false",
             "trainer.save_every_steps": 0, "trainer.val_every_steps": 0}
 MODES = {"colocated_sync": {},
