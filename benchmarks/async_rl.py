@@ -2,15 +2,23 @@
 
     python benchmarks/async_rl.py --out benchmarks/results/async_rl_cpu.json [--steps 8] [key=value ...]
 
-One run of four launches of the CPU demo (configs/tiny_cpu.yaml) on 2 processes with fixed-length
+One run of four launches per round of the CPU demo (configs/tiny_cpu.yaml) on 2 processes with fixed-length
 responses (rollout.ignore_eos): colocated-sync (DP 2, the ranks take turns), separate-sync (1
 training + 1 rollout rank, K = 0) and separate-async (K = 1, 2). Writes samples/s of each (responses
 over the summed step times after the warm-up step), the ratios separate_async_over_separate_sync and
 separate_async_over_colocated_sync (the best K), each group's idle fraction (trainer: time waiting
 for samples; rollout rank: 1 - generating time over the steps' time; colocated ranks do both phases
 in turn, so the rollout phase's share of the step is reported for them), and the staleness seen.
-The defaults make generation and training cost about the same on the split ranks; the measured
-phase times are in the result so that balance can be checked.
+The defaults make generation and training cost about the same on the split ranks: separate-sync's
+`busy_s_per_step` (the training rank's step less its wait for samples; the rollout rank's generating
+seconds) are in the result so that balance can be checked (at balance the overlap can at most halve
+the step: separate-async over separate-sync <= 2; with generation g and training t it is
+(g + t) / max(g, t)).
+
+Other sessions share the machine's cores: the modes run in --repeats rounds, each round every mode
+once (the order rotated from round to round), each launch's load average recorded; a mode's figure
+is its median over the rounds and each ratio the median of the rounds' ratios (a round's modes ran
+close together in time, so its ratio sees the least drift in load).
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,9 +36,11 @@ from pathlib import Path
 from _common import write_result  # benchmarks/_common.py
 
 REPO = Path(__file__).resolve().parents[1]
-# fixed-length responses, one update epoch: generation and training about equal on one rank each
+# fixed-length responses, 3 update epochs: in separate-sync runs with 2 (2026-12-02, load 17-58) the
+# rollout rank generated for 0.64-0.74 s a step while the training rank was busy 0.31-0.48 s (one
+# epoch ~0.14 s); with 1 (the first version of this benchmark) generation took 2.4x the training
 DEFAULTS = {"rollout.ignore_eos": "true", "rollout.max_new_tokens": 12, "data.prompts_per_step": 16,
-            "rollout.samples_per_prompt": 8, "actor.ppo_epochs": 1, "actor.ppo_mini_batches": 2,
+            "rollout.samples_per_prompt": 8, "actor.ppo_epochs": 3, "actor.ppo_mini_batches": 2,
             "rollout.verify_weights": "false", "tracking.loggers": "[console,jsonl]", "tracking.progress_bar": "false",
             "trainer.save_every_steps": 0, "trainer.val_every_steps": 0}
 MODES = {"colocated_sync": {},
@@ -38,13 +49,13 @@ MODES = {"colocated_sync": {},
          "separate_async_k2": {"rollout.placement": "separate", "rollout.num_ranks": 1, "async.max_staleness": 2}}
 
 
-def run(mode: str, root: Path, steps: int, extra: list[str]) -> dict:
-    run_dir = root / mode
+def run(mode: str, root: Path, run_dir: Path, steps: int, extra: list[str]) -> dict:
     overrides = {**DEFAULTS, **MODES[mode], "trainer.run_dir": run_dir, "trainer.total_steps": steps,
                  "model.path": root / "model", "data.train_files": f"[{root / 'train.parquet'}]",
                  "data.val_files": f"[{root / 'test.parquet'}]"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "launch/ppo.py",
            "--config", "configs/tiny_cpu.yaml", *[f"{k}={v}" for k, v in overrides.items()], *extra]
+    load_before = os.getloadavg()[0]
     subprocess.run(cmd, cwd=REPO, check=True, env=dict(os.environ, PYTHONWARNINGS="ignore"), stdout=subprocess.DEVNULL)
     rows = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "event" not in r]
     measured = rows[1:]  # after the warm-up step
@@ -56,11 +67,14 @@ def run(mode: str, root: Path, steps: int, extra: list[str]) -> dict:
     out = {"samples_per_s": round(responses / seconds, 2), "seconds_per_step": round(seconds / len(measured), 4),
            "gen_s_per_step": round(sum(r["timing_s/gen"] for r in measured) / len(measured), 4),
            "update_s_per_step": round(sum(r.get("timing_s/update_actor", 0) + r.get("timing_s/update_critic", 0)
-                                          for r in measured) / len(measured), 4)}
+                                          for r in measured) / len(measured), 4),
+           "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)]}  # before, after the launch
     if "async/trainer_wait_s" in rows[-1]:
         busy = rows[-1]["async/rollout_busy_s"] - rows[0]["async/rollout_busy_s"]
-        out["idle_fraction"] = {"train": round(sum(r["async/trainer_wait_s"] for r in measured) / seconds, 4),
-                                "rollout": round(max(0.0, 1 - busy / seconds), 4)}
+        wait = sum(r["async/trainer_wait_s"] for r in measured)
+        out["idle_fraction"] = {"train": round(wait / seconds, 4), "rollout": round(max(0.0, 1 - busy / seconds), 4)}
+        out["busy_s_per_step"] = {"train": round((seconds - wait) / len(measured), 4),
+                                  "rollout": round(busy / len(measured), 4)}
         out["staleness"] = {"max": max(r["async/staleness_max"] for r in rows),
                             "mean": round(sum(r["async/staleness_mean"] for r in measured) / len(measured), 4),
                             "dropped": sum(r["async/dropped_stale"] for r in rows)}
@@ -69,30 +83,61 @@ def run(mode: str, root: Path, steps: int, extra: list[str]) -> dict:
     return out
 
 
+def summarize(rounds: list[dict]) -> dict:
+    """The rounds' runs per mode with the mode's median, the best K, and the median ratios."""
+    names = [m for m in MODES if all(m in r for r in rounds)]
+    modes = {}
+    for mode in names:
+        runs = [r[mode] for r in rounds]
+        modes[mode] = {"samples_per_s": statistics.median(x["samples_per_s"] for x in runs), "runs": runs}
+    out = {"modes": modes}
+    asyncs = [m for m in ("separate_async_k1", "separate_async_k2") if m in modes]
+    if not asyncs or "separate_sync" not in modes:
+        return out
+    best = max(asyncs, key=lambda m: modes[m]["samples_per_s"])
+
+    def ratio(base: str) -> float:
+        return round(statistics.median(r[best]["samples_per_s"] / r[base]["samples_per_s"] for r in rounds), 3)
+
+    out["best_async"] = best
+    out["separate_async_over_separate_sync"] = ratio("separate_sync")
+    if "colocated_sync" in modes:
+        out["separate_async_over_colocated_sync"] = ratio("colocated_sync")
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=2, help="rounds of every mode (medians over them)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)}")
     p.add_argument("--out", required=True)
     p.add_argument("overrides", nargs="*", help="key=value overrides for every launch")
     args = p.parse_args()
+    chosen = args.modes.split(",")
+    unknown = sorted(set(chosen) - set(MODES))
+    if unknown:
+        print(f"error: --modes {','.join(unknown)}: not a mode; choose from {', '.join(MODES)}", file=sys.stderr)
+        return 2
     sys.path.insert(0, str(REPO))
     from megarl.data.prepare import prepare_arithmetic
 
+    rounds = []
+    start = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         prepare_arithmetic(root, "copy", 3, 2048, 64)
-        modes = {mode: run(mode, root, args.steps, args.overrides) for mode in MODES}
-    best = max(("separate_async_k1", "separate_async_k2"), key=lambda m: modes[m]["samples_per_s"])
+        for i in range(args.repeats):
+            order = chosen[i % len(chosen):] + chosen[:i % len(chosen)]  # rotated: no mode always runs first
+            rounds.append({mode: run(mode, root, root / f"round{i}" / mode, args.steps, args.overrides) for mode in order})
     result = {
-        "command": " ".join(["python", "benchmarks/async_rl.py", f"--steps {args.steps}", *args.overrides]),
-        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(["python", "benchmarks/async_rl.py", f"--steps {args.steps}", f"--repeats {args.repeats}",
+                             *([f"--modes {args.modes}"] if chosen != list(MODES) else []), *args.overrides]),
+        "date": f"{start} - {time.strftime('%H:%M UTC', time.gmtime())}",
         "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                     "load_average_at_end": os.getloadavg()[0]},
         "settings": {**DEFAULTS, "nproc": 2, "steps": args.steps},
-        "modes": modes,
-        "best_async": best,
-        "separate_async_over_separate_sync": round(modes[best]["samples_per_s"] / modes["separate_sync"]["samples_per_s"], 3),
-        "separate_async_over_colocated_sync": round(modes[best]["samples_per_s"] / modes["colocated_sync"]["samples_per_s"], 3),
+        **summarize(rounds),
     }
     write_result(result, args.out)
     return 0

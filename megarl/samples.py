@@ -46,6 +46,19 @@ class Sample:
         return self.prompt.global_index
 
 
+def id_records(samples: list[Sample]) -> list[list]:
+    """What identifies each trained sample (tracking.sample_ids): [dataset row, prompt index,
+    sample index, the policy version of each token or None]."""
+    return [[s.prompt.row, s.prompt_index, s.sample_index, list(s.versions) if s.versions else None] for s in samples]
+
+
+def merge_id_records(parts: list[list[list]]) -> list[list]:
+    """Every rank's id_records as one list in global-batch order, each sample once (the ranks of a
+    model-parallel group hold the same samples)."""
+    unique = {(r[1], r[2]): r for part in parts for r in part}
+    return [unique[key] for key in sorted(unique)]
+
+
 @dataclass
 class RolloutBatch:
     """This DP rank's samples of one step as the engines consume them."""

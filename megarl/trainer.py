@@ -46,7 +46,7 @@ from megarl.engine.batch import SequenceBatch
 from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
 from megarl.global_batch import GlobalBatch, LocalStats
 from megarl.guards import Guards
-from megarl.hybrid.dispatch import DispatchGroups, generate_for_training
+from megarl.hybrid.dispatch import DispatchGroups, _all_gather_object, generate_for_training
 from megarl.hybrid.engine import HybridEngine, release_cached_device_memory
 from megarl.hybrid.verify import WeightSyncMismatch, mismatch_message, sync_limits, sync_problem, sync_stats, token_prob_diff
 from megarl.models import moe_routing
@@ -62,7 +62,7 @@ from megarl.rewards.overlong import overlong_penalty
 from megarl.rollout import build_rollout
 from megarl.rollout.base import RolloutRequest, SamplingParams
 from megarl.rollout.multi_turn import env_rows, episode_metrics, with_environment
-from megarl.samples import RolloutBatch, Sample, to_rollout_batch
+from megarl.samples import RolloutBatch, Sample, id_records, merge_id_records, to_rollout_batch
 from megarl.step_metrics import local_stats, step_metrics
 
 
@@ -217,6 +217,7 @@ class Trainer:
         self.guards = Guards(cfg.guards)
         self.step = 0  # PPO steps completed
         self._sync_checked = False  # the first weight-sync check of this process is fatal (_verify_sync)
+        self.trained_ids: list | None = None  # tracking.sample_ids: the last step's trained samples (id_records)
 
     def _setup_moe_routing(self, cfg: Config) -> None:
         """Routing replay: the rollout engine records each token's experts (validation keeps
@@ -243,6 +244,8 @@ class Trainer:
                 heartbeat.enter("validate")
                 metrics.update(self.validate())
             tracker.log(metrics, step=self.step)
+            if self.trained_ids is not None:
+                tracker.samples(self.step, self.trained_ids)
             for name, fields in events:
                 tracker.event(name, step=self.step, **fields)
             saved = bool(run.save_every_steps and (self.step % run.save_every_steps == 0 or last))
@@ -311,6 +314,8 @@ class Trainer:
                 async_metrics = {}
             greedy = self._generate(_first_of_groups(samples, self.sampling.n), self._greedy) if alg.adv_estimator == "remax" else None
             self.rollout.release_memory()
+        if cfg.tracking.sample_ids:  # every rank's share, for rank 0's samples.jsonl
+            self.trained_ids = merge_id_records(_all_gather_object(id_records(samples), self.dims.world_size, None))
         rollout_batch = to_rollout_batch(samples, self.sampling.n, self.sampling.max_new_tokens)
         batch, mask = rollout_batch.batch, rollout_batch.batch.response_mask
         episodes = episode_metrics(samples, self.rollout, self.global_batch.reduce)  # {} without rollout.multi_turn

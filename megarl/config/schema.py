@@ -375,6 +375,9 @@ class TrackingConfig:
                                           "null = off, 0 = any free port (printed)", ge=0, le=65535)
     prometheus_host: str = knob("127.0.0.1", "address the metrics endpoint binds to (localhost only by default; "
                                 "0.0.0.0 for a Prometheus on another machine)")
+    sample_ids: bool = knob(False, "rank 0 appends each step's trained samples (dataset row, prompt and sample index, the "
+                                   "policy version of each token) to <run_dir>/samples.jsonl; a resume drops the steps it runs "
+                                   "again, as in metrics.jsonl (audits data order and staleness across restarts)")
 
     def active_loggers(self) -> tuple[str, ...]:
         """tracking.loggers less mlflow when the older switch tracking.mlflow is false, in LOGGERS order."""

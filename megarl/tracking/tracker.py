@@ -21,6 +21,7 @@ from typing import Any, Mapping
 from megarl.config import TrackingConfig
 
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"  # tracking.sample_ids: the trained samples of each step
 # Progress-bar label -> metric names to show, first present wins (verl metric names).
 PROGRESS_KEYS = {
     "score": ("critic/score/mean",),
@@ -60,16 +61,19 @@ class Tracker:
         self.enabled = rank == 0
         self.cfg, self.run_dir, self.log_every = cfg, Path(run_dir), log_every
         self.loggers: dict[str, Any] = {}
-        self._bar = self._file = self.prometheus = None
+        self._bar = self._file = self._samples = self.prometheus = None
         if not self.enabled:
             return
         chosen = cfg.active_loggers()
         self.console = "console" in chosen
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.run_dir / METRICS_FILE
-        self._drop_lines_from(start_step)
+        _drop_lines_from(self.metrics_path, start_step)
         if "jsonl" in chosen:
             self._file = open(self.metrics_path, "a")
+        if cfg.sample_ids:
+            _drop_lines_from(self.run_dir / SAMPLES_FILE, start_step)
+            self._samples = open(self.run_dir / SAMPLES_FILE, "a")
         params = dict(params or {})
         if "mlflow" in chosen:
             from megarl.tracking.mlflow_logger import MlflowLogger
@@ -128,10 +132,19 @@ class Tracker:
         else:
             print(message, flush=True)
 
+    def samples(self, step: int, records: list) -> None:
+        """tracking.sample_ids: one samples.jsonl line of the step's trained samples, each
+        [dataset row, prompt index, sample index, versions of its tokens or null]."""
+        if self._samples is not None:
+            self._samples.write(json.dumps({"step": step, "samples": records}) + "\n")
+            self._samples.flush()
+
     def close(self, status: str = "FINISHED") -> None:
         """Flush and end every logger's run (status FINISHED, FAILED or KILLED)."""
         if not self.enabled:
             return
+        if self._samples is not None:
+            self._samples.close()
         if self._bar is not None:
             self._bar.close()
         if self._file is not None:
@@ -152,20 +165,21 @@ class Tracker:
             self._file.write(json.dumps(record, default=str) + "\n")
             self._file.flush()
 
-    def _drop_lines_from(self, start_step: int) -> None:
-        """Keep the lines of steps before start_step (and drop a line a crash cut short)."""
-        if not self.metrics_path.exists():
-            return
-        with open(self.metrics_path) as f:
-            lines = f.readlines()
-        kept = []
-        for line in lines:
-            try:
-                if json.loads(line)["step"] < start_step:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue
-        if kept != lines:
-            tmp = self.metrics_path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(kept))
-            os.replace(tmp, self.metrics_path)
+
+def _drop_lines_from(path: Path, start_step: int) -> None:
+    """Keep the lines of steps before start_step (and drop a line a crash cut short)."""
+    if not path.exists():
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] < start_step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    if kept != lines:
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)

@@ -108,3 +108,32 @@ def test_steps_re_run_after_a_resume_leave_one_mlflow_point_each(tmp_path):
     metrics = client.get_run(tracker.run_id).data.metrics
     assert metrics["critic/score/mean"] == 40.0 and "events/kl_guard" not in metrics  # the abandoned step's event
     assert [ln["step"] for ln in _lines(run_dir)] == [1, 2, 3, 4]
+
+
+def test_sample_ids_file_keeps_the_steps_before_a_resume(tmp_path):
+    """tracking.sample_ids: samples.jsonl gets one line per step; a resume at step 3 drops what a
+    killed process logged at step 3 or later (and a line the kill cut short), as metrics.jsonl."""
+    from megarl.data.dataset import PromptRow
+    from megarl.samples import Sample, id_records, merge_id_records
+
+    def sample(row, prompt, index, versions):
+        return Sample(PromptRow(prompt, row, "p", "g", "d"), index, [5], [0.0], True, "t", versions=versions)
+
+    # two ranks of one model-parallel group hold the same samples; another DP rank holds prompt 0
+    mine = id_records([sample(17, 1, 1, (2, 3)), sample(17, 1, 0, None)])
+    other = id_records([sample(4, 0, 0, (3,))])
+    records = merge_id_records([mine, mine, other])
+    assert records == [[4, 0, 0, [3]], [17, 1, 0, None], [17, 1, 1, [2, 3]]]
+
+    cfg = TrackingConfig(mlflow=False, progress_bar=False, sample_ids=True)
+    tracker = Tracker(cfg, tmp_path / "r")
+    for step in (1, 2, 3):
+        tracker.samples(step, records[:step])
+    tracker.close()
+    with open(tmp_path / "r" / "samples.jsonl", "a") as f:
+        f.write('{"step": 4, "samples": [[1, ')
+    Tracker(cfg, tmp_path / "r", start_step=3).close()
+    lines = [json.loads(line) for line in (tmp_path / "r" / "samples.jsonl").read_text().splitlines()]
+    assert lines == [{"step": 1, "samples": records[:1]}, {"step": 2, "samples": records[:2]}]
+    Tracker(TrackingConfig(mlflow=False, progress_bar=False), tmp_path / "q").close()
+    assert not (tmp_path / "q" / "samples.jsonl").exists()  # off by default
