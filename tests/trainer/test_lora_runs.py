@@ -14,7 +14,8 @@ from conftest import torchrun
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 LORA = {"actor.lora.rank": 4, "actor.lora.alpha": 8, "critic.lora.rank": 4, "critic.lora.alpha": 8,
-        "actor.optim.lr": 5e-3, "critic.optim.lr": 5e-3, "trainer.total_steps": 2}
+        "actor.optim.lr": 5e-3, "critic.optim.lr": 5e-3, "trainer.total_steps": 2,
+        "tracking.loggers": "[jsonl]"}  # no MLflow store to create eight times
 ESTIMATORS = {
     "gae": {"algorithm.adv_estimator": "gae"},
     "grpo": {"algorithm.adv_estimator": "grpo", "actor.use_kl_loss": "true", "actor.kl_loss_coef": 0.1},
