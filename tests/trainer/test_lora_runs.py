@@ -1,6 +1,6 @@
 """2-step PPO with LoRA through the trainer (issue 26): GAE with a LoRA critic, and GRPO with the KL
 loss to the reference (the actor with its adapters off), log one process's metrics (1e-3) at tp2
-(sequence parallelism on), pp2 and dp2. Two launches: the two one-process runs in one plain
+(sequence parallelism on), pp2 and dp2 (with every offload on). Two launches: the two one-process runs in one plain
 process, the six layout runs in one torchrun of 2 ranks (tests/trainer/runs_worker.py)."""
 from __future__ import annotations
 
@@ -20,7 +20,10 @@ ESTIMATORS = {
     "gae": {"algorithm.adv_estimator": "gae"},
     "grpo": {"algorithm.adv_estimator": "grpo", "actor.use_kl_loss": "true", "actor.kl_loss_coef": 0.1},
 }
-LAYOUTS = {"tp2": {"parallel.tp": 2}, "pp2": {"parallel.pp": 2}, "dp2": {}}
+# dp2 also offloads the actor's and critic's whole training state between phases: the numbers must not
+# change, and nothing may stay behind for the rollout (the frozen base lives outside DDP's buffer).
+OFFLOAD_ALL = {f"{role}.{part}_offload": "true" for role in ("actor", "critic") for part in ("param", "grad", "optimizer")}
+LAYOUTS = {"tp2": {"parallel.tp": 2}, "pp2": {"parallel.pp": 2}, "dp2": OFFLOAD_ALL}
 COMPARED = {
     "gae": ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/grad_norm", "actor/entropy",
             "critic/vf_loss", "critic/grad_norm", "critic/returns/mean"),
@@ -52,6 +55,8 @@ def test_lora_ppo_logs_the_same_metrics_under_every_layout(tmp_path):
             assert base[1]["actor/kl_loss"] > 0  # the reference (adapters off) stayed behind the adapted actor
         for lay in LAYOUTS:
             runs = read_metrics(tmp_path / f"{est}_{lay}")
+            if lay == "dp2":
+                assert all(r["memory/resident_gb/gen"] == 0 < r["perf/offload_bytes"] for r in runs), est
             for a, b in zip(base, runs, strict=True):
                 for k in COMPARED[est]:
                     assert b[k] == pytest.approx(a[k], rel=1e-3, abs=1e-9), f"{est} {lay} step {a['step']} {k}: {a[k]} vs {b[k]}"
