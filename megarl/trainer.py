@@ -633,12 +633,18 @@ class Trainer:
 
     def _resident_metrics(self, resident: dict[str, int]) -> dict[str, float]:
         """memory/resident_gb/<phase>: the engines' parameters, gradients and optimizer state in
-        memory at the end of each phase, the maximum over ranks (one collective per step)."""
-        phases = list(resident)
-        resident_max = torch.tensor([resident[p] for p in phases], dtype=torch.float64)
+        memory at the end of each phase; memory/<role>/{param,trainable_param,grad,optimizer_state}_bytes:
+        each trained engine's state by size (under LoRA the last three follow the adapters). Both the
+        maximum over ranks, in one collective per step."""
+        names = {f"memory/resident_gb/{p.removeprefix('timing_s/')}": resident[p] / 2**30 for p in resident}
+        for role, engine in (("actor", self.actor), ("critic", self.critic)):
+            if engine is not None:
+                sizes = engine.state_bytes()
+                names.update({f"memory/{role}/{_STATE_NAMES[part]}_bytes": float(sizes[part]) for part in _STATE_NAMES})
+        values = torch.tensor(list(names.values()), dtype=torch.float64)
         if self.dims.world_size > 1:
-            resident_max = all_reduce_host(resident_max, None, op=dist.ReduceOp.MAX)
-        return {f"memory/resident_gb/{p.removeprefix('timing_s/')}": float(v) / 2**30 for p, v in zip(phases, resident_max)}
+            values = all_reduce_host(values, None, op=dist.ReduceOp.MAX)
+        return {name: float(v) for name, v in zip(names, values)}
 
     # --- seeds -----------------------------------------------------------------------------------
     def _shuffle_seed(self, role: int) -> int:
@@ -673,6 +679,10 @@ def _local_loss_value(loss: torch.Tensor, totals: dict, mb: dict) -> float:
     engine's token-weighted average over micro-batches gives back the mini-batch loss."""
     tokens = float(mb["response_mask"].sum())
     return float(loss.detach()) * float(totals["tokens"]) / max(tokens, 1.0)
+
+
+# MegatronEngine.state_bytes parts -> metric names
+_STATE_NAMES = {"params": "param", "trainable_params": "trainable_param", "grads": "grad", "optimizer": "optimizer_state"}
 
 
 def _memory_metrics() -> dict[str, float]:

@@ -490,6 +490,11 @@ class MegatronEngine:
         """Parameters, gradients and optimizer state now in memory, in bytes (0 while offloaded)."""
         return offload.resident_bytes(self)
 
+    def state_bytes(self) -> dict[str, int]:
+        """This rank's parameters (all, trainable), gradient buffers and optimizer state in bytes,
+        by size whether offloaded or not (megarl.engine.offload.state_bytes)."""
+        return offload.state_bytes(self)
+
     # --- checkpoint (megarl.engine.checkpointing) ------------------------------------------------------
     def save(self, path: str) -> float:
         """Distributed checkpoint of weights + optimizer (+ scheduler) into `path`; returns seconds."""

@@ -82,9 +82,20 @@ def _ddp_buffers(engine) -> list:
 
 def _param_tensors(engine) -> list[torch.Tensor]:
     buffers = _ddp_buffers(engine)
-    if buffers:
-        return [b.param_data for b in buffers if b.param_data is not None]
-    return [p for m in engine.modules for p in m.parameters()]  # the Parameters themselves: they keep the host copy
+    # DDP buffers only the trainable parameters; the frozen ones (LoRA's base weights, frozen
+    # routers, a reference engine's all) are Parameters of their own, which keep the host copy.
+    held = [b.param_data for b in buffers if b.param_data is not None]
+    return held + _frozen_params(engine)
+
+
+def _frozen_params(engine) -> list[torch.Tensor]:
+    seen, frozen = set(), []
+    for m in engine.modules:
+        for p in m.parameters():  # a tied embedding is one Parameter, listed once per module
+            if not p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                frozen.append(p)
+    return frozen
 
 
 def grad_tensors(engine) -> list[torch.Tensor]:
@@ -132,4 +143,20 @@ def resident_bytes(engine) -> dict[str, int]:
         "params": held(_param_tensors(engine)),
         "grads": held(grad_tensors(engine)),
         "optimizer": held(_optimizer_state_tensors(engine)),
+    }
+
+
+def state_bytes(engine) -> dict[str, int]:
+    """Bytes of the engine's training state on this rank by its size, offloaded or not: all
+    parameters, the trainable ones, their gradient buffers, the optimizer state (Adam moments and
+    float32 master copies). Under LoRA the last three scale with the adapters, not the model."""
+    def size(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    trainable = {id(p): p for m in engine.modules for p in m.parameters() if p.requires_grad}
+    return {
+        "params": size(_param_tensors(engine)),
+        "trainable_params": size(trainable.values()),
+        "grads": size(grad_tensors(engine)),
+        "optimizer": size(_optimizer_state_tensors(engine)),
     }

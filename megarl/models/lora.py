@@ -107,6 +107,9 @@ class LoraAdapter(torch.nn.Module):
         self.tp_rank = dist.get_rank(group) if self.tp_size > 1 else 0
         self.explicit = bool(getattr(linear, "explicit_expert_comm", False))
         self.gather_output = bool(getattr(linear, "gather_output", False))
+        # Under sequence parallelism a dense column-parallel layer receives this rank's s/tp tokens and
+        # all-gathers them itself; a row-parallel one reduce-scatters its output to s/tp tokens.
+        self.sequence_parallel = bool(getattr(linear, "sequence_parallel", False)) and self.tp_size > 1 and not self.explicit
         self.scale, self.enabled = options.scale, True
         self.dropout = torch.nn.Dropout(options.dropout) if options.dropout > 0 else torch.nn.Identity()
         self.out_sizes = out_sizes  # full output rows of each projection
@@ -143,6 +146,10 @@ class LoraAdapter(torch.nn.Module):
             set_tensor_model_parallel_attributes(replicated, True, 0, 1)
             if self.tp_rank > 0:
                 replicated.shared = True
+        if self.sequence_parallel:
+            # The replicated factor sees only this rank's s/tp tokens (column: A's input; row: B's),
+            # so its gradient is a partial sum: finalize_model_grads sums such parameters over TP.
+            replicated.sequence_parallel = True
         for p in (part.lora_A, part.lora_B):
             if hasattr(weight, "allreduce"):  # expert parameters: reduced over the expert-DP group
                 p.allreduce = weight.allreduce
@@ -175,19 +182,24 @@ class LoraAdapter(torch.nn.Module):
         """The adapters' contribution to the layer's output (same sharding as the output)."""
         from megatron.core.tensor_parallel.mappings import (
             copy_to_tensor_model_parallel_region,
+            gather_from_sequence_parallel_region,
             gather_from_tensor_model_parallel_region,
             reduce_from_tensor_model_parallel_region,
+            reduce_scatter_to_sequence_parallel_region,
         )
 
         x = self.dropout(x)
         present = [n for n in self.names if n in self.adapters]
         a = torch.cat([self.adapters[n].lora_A for n in present], 0)
         h = F.linear(x, a)  # [..., rank * projections]
-        if self.tp_size > 1 and not self.explicit:
+        if self.sequence_parallel:  # as the layer does with x / its output, on the rank-wide h
+            h = (gather_from_sequence_parallel_region(h, group=self.group) if self.kind == "column"
+                 else reduce_scatter_to_sequence_parallel_region(h, group=self.group))
+        elif self.tp_size > 1 and not self.explicit:
             h = (copy_to_tensor_model_parallel_region(h, group=self.group) if self.kind == "column"
                  else reduce_from_tensor_model_parallel_region(h, group=self.group))
         hs = dict(zip(present, h.chunk(len(present), -1)))
-        lead = tuple(x.shape[:-1])
+        lead = tuple(h.shape[:-1])  # the output's tokens: all of them, or s/tp under sequence parallelism
         parts = [F.linear(hs[n], self.adapters[n].lora_B) * self.scale if n in hs else None for n in self.names]
         out = self._assemble(parts, lead, h)
         if self.kind == "column" and self.gather_output and self.tp_size > 1:
