@@ -456,8 +456,9 @@ class MegatronEngine:
         keys = sorted(sums)
         t = torch.tensor([weight] + [0.0] * len(keys), dtype=torch.float64)
         if keys:
-            on_device = [torch.as_tensor(sums[k], dtype=torch.float64) for k in keys]
-            t[1:] = torch.stack([v.to(on_device[0].device) for v in on_device]).cpu()
+            values = [sums[k] for k in keys]
+            device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
+            t[1:] = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values]).cpu()
         box = [keys]
         if self.dims.pp > 1:
             src = self.dims.pp_stage_ranks()[-1]
