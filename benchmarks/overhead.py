@@ -85,7 +85,9 @@ def main() -> int:
         runs = {"megarl": lambda: megarl_update(engine, batch), "baseline": lambda: baseline.update(batch)}
         for side in runs:  # warm-up
             runs[side]()
+        loads = []  # the machine's 1-minute load average at each round (neighbours share the cores)
         for r in range(args.rounds):
+            loads.append(round(os.getloadavg()[0], 2))
             for side in (("megarl", "baseline") if r % 2 == 0 else ("baseline", "megarl")):
                 start_cpu = time.process_time()
                 times[side].append(timed(runs[side], gpu))
@@ -107,6 +109,9 @@ def main() -> int:
             "cpu_seconds_megarl": [round(t, 4) for t in cpu["megarl"]], "cpu_seconds_baseline": [round(t, 4) for t in cpu["baseline"]],
             # One thread per process on CPU: CPU time is the work, unlike wall time on a shared machine.
             "ratio_cpu_time": None if gpu else round(statistics.median(cpu["megarl"]) / statistics.median(cpu["baseline"]), 3),
+            "ratio_cpu_time_per_round_median": None if gpu else round(statistics.median(
+                m / b for m, b in zip(cpu["megarl"], cpu["baseline"])), 3),
+            "load_average_1min_per_round": loads,
         }
     for seq, (flops, med) in mfu.items():  # against the final (best) peak
         by_len[seq].update(mfu_megarl=round(flops / med["megarl"] / peak, 4), mfu_baseline=round(flops / med["baseline"] / peak, 4))

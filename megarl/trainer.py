@@ -674,11 +674,12 @@ def _agg_totals(totals: dict, mode: str, response_len: int) -> dict:
             "loss_scale_factor": float(response_len) if mode == "seq-mean-token-sum-norm" else None}
 
 
-def _local_loss_value(loss: torch.Tensor, totals: dict, mb: dict) -> float:
+def _local_loss_value(loss: torch.Tensor, totals: dict, mb: dict) -> torch.Tensor:
     """A micro-batch's loss contribution expressed per token of the micro-batch, so that the
-    engine's token-weighted average over micro-batches gives back the mini-batch loss."""
-    tokens = float(mb["response_mask"].sum())
-    return float(loss.detach()) * float(totals["tokens"]) / max(tokens, 1.0)
+    engine's token-weighted average over micro-batches gives back the mini-batch loss. A float64
+    tensor (no host sync; the engine reads the step's metrics once): the same arithmetic as in floats.
+    The token count is the micro-batch's, counted on the host when it was built."""
+    return loss.detach().double() * float(totals["tokens"]) / max(mb["response_tokens"], 1.0)
 
 
 # MegatronEngine.state_bytes parts -> metric names

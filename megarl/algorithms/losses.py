@@ -118,7 +118,7 @@ def policy_loss(
     global_seqs: Number | None = None,
     loss_scale_factor: float | None = None,
     rollout_is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss (Schulman et al. 2017, https://arxiv.org/abs/1707.06347).
 
     logp: [batch, response_len] log-probs of the taken tokens under the policy being trained (with
@@ -134,7 +134,9 @@ def policy_loss(
     cannot produce an unbounded loss. rollout_is_weights [batch, response_len], if given, multiply
     the per-token loss (importance correction for a rollout engine that differs from the trainer).
 
-    metrics (python floats, masked means over this call's valid tokens, verl's definitions):
+    metrics (0-d tensors without grad, masked means over this call's valid tokens, verl's definitions;
+    tensors, not floats, so the loss never waits on the device: the engine sums them over the step's
+    micro-batches and reads them once per train step):
       actor/pg_clipfrac: fraction of tokens where the clipped term is the larger loss;
       actor/pg_clipfrac_lower: fraction with A < 0 where the dual-clip bound is active;
       actor/ppo_kl: mean of old_logp - logp (after the +-20 clamp).
@@ -171,11 +173,7 @@ def policy_loss(
         dual_clipped = (clip_pg_losses1 > pg_losses3) & (advantages < 0)
         pg_clipfrac_lower = masked_mean(dual_clipped.to(logp.dtype), mask)
         ppo_kl = masked_mean(-log_ratio, mask)
-    metrics = {
-        "actor/pg_clipfrac": pg_clipfrac.item(),
-        "actor/pg_clipfrac_lower": pg_clipfrac_lower.item(),
-        "actor/ppo_kl": ppo_kl.item(),
-    }
+    metrics = {"actor/pg_clipfrac": pg_clipfrac, "actor/pg_clipfrac_lower": pg_clipfrac_lower, "actor/ppo_kl": ppo_kl}
     return loss, metrics
 
 
@@ -192,7 +190,7 @@ def gspo_policy_loss(
     global_seqs: Number | None = None,
     loss_scale_factor: float | None = None,
     rollout_is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO: PPO clipping on a sequence-level ratio (Zheng et al. 2025, https://arxiv.org/abs/2507.18071).
 
     Shapes and return as `policy_loss`. The sequence ratio is the geometric mean of the token ratios,
@@ -225,11 +223,8 @@ def gspo_policy_loss(
     with torch.no_grad():
         pg_clipfrac = masked_mean((pg_losses2 > pg_losses1).to(logp.dtype), mask)
         ppo_kl = masked_mean(-log_ratio, mask)
-    metrics = {
-        "actor/pg_clipfrac": pg_clipfrac.item(),
-        "actor/pg_clipfrac_lower": 0.0,
-        "actor/ppo_kl": ppo_kl.item(),
-    }
+    metrics = {"actor/pg_clipfrac": pg_clipfrac, "actor/pg_clipfrac_lower": torch.zeros_like(pg_clipfrac),
+               "actor/ppo_kl": ppo_kl}
     return loss, metrics
 
 
@@ -244,7 +239,7 @@ def value_loss(
     global_tokens: Number | None = None,
     global_seqs: Number | None = None,
     loss_scale_factor: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss of PPO's critic (as in openai/baselines ppo2 and verl).
 
     values: [batch, response_len] current critic predictions (with grad); old_values: the critic's
@@ -252,7 +247,7 @@ def value_loss(
     loss = 0.5 * agg(max((v - R)^2, (clip(v, old - clip_range, old + clip_range) - R)^2)): the
     critic may not move further than clip_range from old_values to reduce the loss.
     metrics: critic/vf_clipfrac, the fraction of valid tokens where the clipped term is the larger
-    (python float; combine across micro-batches weighted by valid token count).
+    (a 0-d tensor, as policy_loss's; combine across micro-batches weighted by valid token count).
     """
     if clip_range < 0:
         raise ValueError(f"clip_range must be >= 0, got {clip_range}")
@@ -265,4 +260,4 @@ def value_loss(
                           loss_scale_factor=loss_scale_factor)
     with torch.no_grad():
         vf_clipfrac = masked_mean((v_loss_clipped > v_loss_unclipped).to(values.dtype), response_mask)
-    return loss, {"critic/vf_clipfrac": vf_clipfrac.item()}
+    return loss, {"critic/vf_clipfrac": vf_clipfrac}

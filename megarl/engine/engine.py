@@ -31,6 +31,7 @@ from megarl.models.sequence_parallel import sequence_multiple
 from megarl.models.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 from megarl.models.weights import export_hf, local_weight_shards, unwrap
 from megarl.parallel import ParallelDims, all_reduce_host, broadcast_host
+from megarl.platform import host_allocator
 from megarl.platform.cpu_compat import backward_without_device_rewrite, device_rewrite_paused
 
 
@@ -64,7 +65,9 @@ class EngineConfig:
 # loss_fn(outputs, micro_batch_tensors, totals) -> (loss contribution, {metric: value})
 #   outputs: {"logprobs"|"entropy"|"values": [b, response_len]}; micro_batch_tensors: the batch's
 #   per-token fields for these rows; totals: {"tokens", "seqs"} of the whole mini-batch.
-LossFn = Callable[[dict, dict, dict], tuple[torch.Tensor, dict[str, float]]]
+#   A metric value is a float or a 0-d tensor: tensors are summed where they are and read once per
+#   train_step (no host synchronisation inside the loss).
+LossFn = Callable[[dict, dict, dict], tuple[torch.Tensor, dict[str, "float | torch.Tensor"]]]
 
 
 def fused_adam_on_cpu(optimizer) -> None:
@@ -84,6 +87,14 @@ def fused_adam_on_cpu(optimizer) -> None:
         for group in inner.param_groups:
             if group["params"] and all(p.device.type == "cpu" for p in group["params"]) and not group.get("differentiable"):
                 group["foreach"], group["fused"] = False, True
+
+
+def _weighted(value, weight: float):
+    """A micro-batch's metric times its token weight, in float64 (a tensor stays on its device:
+    float64 products and sums, the arithmetic of Python floats, so the result is the same either way)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().double() * weight
+    return value * weight
 
 
 @dataclass
@@ -127,6 +138,8 @@ class MegatronEngine:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         solo_groups.install()  # no collective over a group of one (DDP buffers, optimizer, grad norm)
+        if self.device.type == "cpu":  # each step's activations reuse freed memory: no fresh pages to fault in
+            host_allocator.keep_freed_memory()
         o = self.cfg.optim
         bf16 = self.cfg.dtype == "bfloat16"
         ddp_config = DistributedDataParallelConfig(
@@ -343,7 +356,7 @@ class MegatronEngine:
             raise ValueError(f"{num_global} sequences per step are not divisible into {mini_batches} mini-batches")
         position = {g: i for i, g in enumerate(batch.global_index)}
         stats = TrainStats()
-        metric_sums: dict[str, float] = {}
+        metric_sums: dict[str, float | torch.Tensor] = {}
         metric_weight = 0.0
         # DDP averages gradients over the data-parallel x context-parallel ranks (Megatron's dp_cp group).
         grad_avg_ranks = self.dims.dp * self.dims.cp
@@ -363,7 +376,7 @@ class MegatronEngine:
                         outputs = self._outputs(output, mb, want, temperature, banned_token_ids)
                         loss, metrics = loss_fn(outputs, mb, totals)
                     weight = mb["response_tokens"]  # counted on the host when the micro-batch was built
-                    reduced.append({"weight": weight, **{m: v * weight for m, v in metrics.items()}})
+                    reduced.append({"weight": weight, **{m: _weighted(v, weight) for m, v in metrics.items()}})
                     # The schedule divides by the micro-batch count and DDP averages over DP; both
                     # are undone so that contributions are *summed* (see module docstring).
                     return loss * (num_mb * grad_avg_ranks), torch.tensor(1, dtype=torch.int), {}
@@ -438,10 +451,15 @@ class MegatronEngine:
         t = self._over_dp(torch.tensor([mask.sum().item(), (mask.sum(-1) > 0).sum().item()], dtype=torch.float64))
         return {"tokens": float(t[0]), "seqs": float(t[1])}
 
-    def _reduce_metrics(self, sums: dict[str, float], weight: float) -> dict[str, float]:
-        """Token-weighted means over micro-batches and DP ranks, then from the last stage to all."""
+    def _reduce_metrics(self, sums: dict[str, float | torch.Tensor], weight: float) -> dict[str, float]:
+        """Token-weighted means over micro-batches and DP ranks, then from the last stage to all.
+        The step's one read of the loss's tensor metrics (one device-to-host copy)."""
         keys = sorted(sums)
-        t = torch.tensor([weight] + [sums[k] for k in keys], dtype=torch.float64)
+        t = torch.tensor([weight] + [0.0] * len(keys), dtype=torch.float64)
+        if keys:
+            values = [sums[k] for k in keys]
+            device = next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
+            t[1:] = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values]).cpu()
         box = [keys]
         if self.dims.pp > 1:
             src = self.dims.pp_stage_ranks()[-1]

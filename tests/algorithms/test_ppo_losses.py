@@ -238,3 +238,18 @@ def test_averaging_micro_batch_means_would_differ():
     averaged = (agg_loss(loss_mat[:1], mask[:1], "token-mean") + agg_loss(loss_mat[1:2], mask[1:2], "token-mean")) / 2
     pair = agg_loss(loss_mat[:2], mask[:2], "token-mean")
     assert abs(averaged.item() - pair.item()) > 1e-3
+
+
+def test_loss_metrics_are_tensors_the_engine_reads_once_per_step():
+    """No host synchronisation inside a loss: every metric is a 0-d tensor without grad (issue 28);
+    the engine's float64 weighting of it is the arithmetic of the Python floats it replaced."""
+    logp = t([[-1.0, -2.0, -0.5]], requires_grad=True)
+    old, adv, mask = t([[-1.2, -1.0, -0.5]]), t([[1.0, -1.0, 0.5]]), t([[1, 1, 0]])
+    results = [policy_loss(logp, old, adv, mask), gspo_policy_loss(logp, old, adv, mask),
+               value_loss(logp, old, adv, mask, clip_range=0.2)]
+    for _, metrics in results:
+        assert metrics and all(isinstance(v, torch.Tensor) and v.dim() == 0 and not v.requires_grad for v in metrics.values())
+    from megarl.engine.engine import _weighted
+
+    clipfrac = torch.tensor(1 / 3, dtype=torch.float32)
+    assert _weighted(clipfrac, 7.0).item() == clipfrac.item() * 7.0 and _weighted(0.25, 4.0) == 1.0
