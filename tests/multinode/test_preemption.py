@@ -100,7 +100,8 @@ def test_kill_9_at_k1_then_resume_trains_each_sample_once(tmp_path):
     processes SIGKILLed mid-run (no handler runs: a lost node), then the same command. The steps
     kept from the killed run and the resumed ones train, between them, every prompt of the data
     order once, none twice, none skipped (the prompts in flight at the checkpoint are drawn again),
-    each prompt's samples once; no trained sample is older than K."""
+    each prompt's samples once; no trained sample is older than K, and every other step trains
+    samples exactly one version old (the overlap K = 1 allows)."""
     from megarl.data.dataset import PromptDataset
 
     total, prompts, n = 5, 4, 2
@@ -154,3 +155,12 @@ def test_kill_9_at_k1_then_resume_trains_each_sample_once(tmp_path):
         assert versions and versions <= allowed, (step, stopped, versions)
     rows = [r[0] for step in sorted(resumed) for r in resumed[step][::n]]
     assert len(rows) == len(set(rows)) == total * prompts  # within one epoch: no prompt trained twice
+
+    # The overlap itself, from the logged metrics of both segments: every step samples one version
+    # old (requested a step ahead), never older, except step 1 and the first step after the resume
+    # (nothing older exists); nothing was dropped as too stale.
+    metrics = read_metrics(run_dir)
+    assert [r["step"] for r in metrics] == list(range(1, total + 1))
+    fresh = (1, stopped + 1)
+    assert [r["async/staleness_max"] for r in metrics] == [0.0 if r["step"] in fresh else 1.0 for r in metrics], stopped
+    assert all(r["async/dropped_stale"] == 0 for r in metrics)
