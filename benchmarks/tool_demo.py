@@ -46,6 +46,7 @@ def evaluate(run_dir: Path, data_file: Path, cwd: Path, max_rows: int | None = N
     from megarl.rollout.base import RolloutRequest, SamplingParams
     from megarl.rollout.hf import HFRolloutEngine
     from megarl.rollout.multi_turn import MultiTurnRollout, MultiTurnSettings
+    from megarl.trainer import stop_token_ids
 
     cfg = load_config(str(run_dir / "config.yaml"), [])
     last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
@@ -62,7 +63,8 @@ def evaluate(run_dir: Path, data_file: Path, cwd: Path, max_rows: int | None = N
     requests = [RolloutRequest(tuple(encode_prompt(tokenizer, r["prompt"])), prompt_index=i) for i, r in enumerate(rows)]
     eos = tokenizer.eos_token_id
     results = episodes.generate(requests, SamplingParams(n=1, temperature=0.0, max_new_tokens=mt.max_total_tokens,
-                                                         stop_token_ids=(eos,), banned_token_ids=tuple(cfg.rollout.banned_token_ids)))
+                                                         stop_token_ids=stop_token_ids(cfg.rollout, eos),
+                                                         banned_token_ids=tuple(cfg.rollout.banned_token_ids)))
     exact, called, examples = 0, 0, []
     question = tokenizer.convert_tokens_to_ids("?")
     for row, r in zip(rows, results):
