@@ -6,22 +6,24 @@ only the environment holds, so the policy can only score by calling the lookup t
 The table is a keyed hash (`secret_value`), not something the policy sees: a held-out key's value
 cannot be learned from the training keys (train and held-out keys are disjoint, `is_held_out`).
 A turn starting with "?" is a lookup of the episode's key, answered "<value>:"; any other turn is
-the final answer and ends the episode. The demo's config makes "?" a stop token (CALL_TOKEN_ID in
-rollout.stop_token_ids), as real tool formats stop at the call's closing tag: the call turn is then
-exactly "?" (its text "", the stop token dropped), so `LookupTool` also reads the call from the turn's
-token ids. Without the stop a call turn ran on to max_tokens_per_turn ("?836"): nothing rewarded
-or punished the three extra tokens, so they stayed random, sat between the key's value and the
-answer, and the answer, copied from a fixed distance back, took a neighbouring digit instead
-(seed 2: exact match 0.66, every failure a call turn with babble and one digit miscopied).
-With "?" a stop token an answer can also end on it ("541?"), and the reward's text cannot tell:
-decoding drops the final stop token whichever it is, so "541?" scored as "541" eos and a run
-learned to end every answer with "?" (exact match 0.25, every digit right). Such a turn earns
-ANSWER_WITHOUT_EOS from the environment, cancelling the reward function's at most 1.0. `final_answer_score` (reward.kind=function) scores the text
+the final answer and ends the episode. `final_answer_score` (reward.kind=function) scores the text
 after the response's last ":" with the arithmetic task's partial credit; the first lookup earns
 the environment's CALL_BONUS. The observation ends in ":", not the prompt's "=": with "=" the
 policy could not tell the answer's place from the lookup's and learned to look up twice (a run
-of 67 steps: tool-call rate 1.0, exact match 0.0, every episode "?..." "815=" "?..."). Every character is one token of the
-`digits` tokenizer.
+of 67 steps: tool-call rate 1.0, exact match 0.0, every episode "?..." "815=" "?..."). Every
+character is one token of the `digits` tokenizer.
+
+The demo's config makes "?" a stop token (CALL_TOKEN_ID in rollout.stop_token_ids), as real tool
+formats stop at the call's closing tag: the call turn is then exactly "?" (its text "", the stop
+token dropped), so `LookupTool` also reads the call from the turn's token ids. Without the stop a
+call turn ran on to max_tokens_per_turn ("?836"): nothing rewarded or punished the three extra
+tokens, so they stayed random, sat between the key's value and the answer, and the answer, copied
+from a fixed distance back, took a neighbouring digit instead (seed 2: exact match 0.66; the five
+failures stored, each a babbling call and one digit miscopied). With "?" a stop token an answer
+can also end on it ("541?"), and the reward's text cannot tell: decoding drops the final stop
+token whichever it is, so "541?" scored as "541" eos and a run learned to end answers with "?"
+(exact match 0.25; the five failures stored had every digit right). Such a turn earns
+ANSWER_WITHOUT_EOS from the environment, cancelling the reward function's at most 1.0.
 """
 from __future__ import annotations
 
