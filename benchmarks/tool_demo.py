@@ -7,7 +7,8 @@ and environment the run trained with. An episode counts as exact when its first 
 ("?") and its final turn is the value's tokens then eos, nothing else.
 
 Writes {"config", "runs": [{"seed", "steps", "exact_match", "eval_tool_call_rate", "tool_call_rate_first5",
-"tool_call_rate_last5", "tool_call_rate_by_step", "score_by_step", "examples"}]}. A benchmark, not a
+"tool_call_rate_last5", "tool_call_rate_by_step", "score_by_step", "entropy_by_step", "examples", "train_wall_s",
+"load_average_min/mean/max"}]}. A benchmark, not a
 test: a run takes tens of minutes on 2 shared cores (tests/agents and tests/trainer/test_multi_turn_run.py
 check the machinery).
 """
@@ -18,19 +19,29 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = "configs/tiny_cpu_tool.yaml"
 
 
-def train(seed: int, run_root: Path, nproc: int) -> Path:
+def train(seed: int, run_root: Path, nproc: int) -> tuple[Path, dict]:
+    """The run's directory and the machine's 1-minute load average over the run (sampled every 10 s:
+    the cores are shared, so the run's pace says little without it)."""
     run_dir = run_root / f"seed{seed}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(REPO / "launch" / "ppo.py"), "--config", str(REPO / CONFIG), f"trainer.seed={seed}", f"trainer.run_dir={run_dir}",
            "tracking.loggers=[jsonl]", "tracking.progress_bar=false"]
-    subprocess.run(cmd, cwd=run_root, check=True, env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
-    return run_dir
+    started, loads = time.monotonic(), []
+    proc = subprocess.Popen(cmd, cwd=run_root, env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
+    while proc.poll() is None:
+        loads.append(os.getloadavg()[0])
+        time.sleep(10)
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
+    return run_dir, {"train_wall_s": round(time.monotonic() - started), "load_average_min": round(min(loads, default=0.0), 1),
+                     "load_average_mean": round(sum(loads) / max(len(loads), 1), 1), "load_average_max": round(max(loads, default=0.0), 1)}
 
 
 def evaluate(run_dir: Path, data_file: Path, cwd: Path, max_rows: int | None = None) -> dict:
@@ -46,6 +57,7 @@ def evaluate(run_dir: Path, data_file: Path, cwd: Path, max_rows: int | None = N
     from megarl.rollout.base import RolloutRequest, SamplingParams
     from megarl.rollout.hf import HFRolloutEngine
     from megarl.rollout.multi_turn import MultiTurnRollout, MultiTurnSettings
+    from megarl.trainer import stop_token_ids
 
     cfg = load_config(str(run_dir / "config.yaml"), [])
     last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
@@ -62,7 +74,8 @@ def evaluate(run_dir: Path, data_file: Path, cwd: Path, max_rows: int | None = N
     requests = [RolloutRequest(tuple(encode_prompt(tokenizer, r["prompt"])), prompt_index=i) for i, r in enumerate(rows)]
     eos = tokenizer.eos_token_id
     results = episodes.generate(requests, SamplingParams(n=1, temperature=0.0, max_new_tokens=mt.max_total_tokens,
-                                                         stop_token_ids=(eos,), banned_token_ids=tuple(cfg.rollout.banned_token_ids)))
+                                                         stop_token_ids=stop_token_ids(cfg.rollout, eos),
+                                                         banned_token_ids=tuple(cfg.rollout.banned_token_ids)))
     exact, called, examples = 0, 0, []
     question = tokenizer.convert_tokens_to_ids("?")
     for row, r in zip(rows, results):
@@ -85,6 +98,7 @@ def run_metrics(run_dir: Path) -> dict:
     rate = [round(r["agents/tool_call_rate"], 4) for r in rows]
     return {"steps": len(rows), "tool_call_rate_first5": sum(rate[:5]) / 5, "tool_call_rate_last5": sum(rate[-5:]) / 5,
             "tool_call_rate_by_step": rate, "score_by_step": [round(r["critic/score/mean"], 4) for r in rows],
+            "entropy_by_step": [round(r["actor/entropy"], 4) for r in rows],
             "val_score_by_step": {r["step"]: round(r["val/score/mean"], 4) for r in rows if "val/score/mean" in r}}
 
 
@@ -100,9 +114,9 @@ def main(argv=None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     out = {"config": CONFIG, "runs": []}
     for seed in map(int, args.seeds.split(",")):
-        run_dir = root / f"seed{seed}" if args.eval_only else train(seed, root, args.nproc)
+        run_dir, load = (root / f"seed{seed}", {}) if args.eval_only else train(seed, root, args.nproc)
         data = root / "runs" / "data" / "lookup" / "test.parquet"  # data.auto_prepare wrote it under the run's cwd
-        out["runs"].append({"seed": seed, **run_metrics(run_dir), **evaluate(run_dir, data, root)})
+        out["runs"].append({"seed": seed, **run_metrics(run_dir), **evaluate(run_dir, data, root), **load})
         print(json.dumps({k: v for k, v in out["runs"][-1].items() if not k.endswith("_by_step")}), flush=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     return 0

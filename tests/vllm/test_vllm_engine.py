@@ -277,6 +277,8 @@ def test_multi_turn_episode_over_real_vllm_token_ids_and_actor_logprobs(setup, m
         assert r.response_mask[:start] == [0] * start
         first_obs = r.response_mask.index(0, start + 1)
         assert r.response_token_ids[first_obs:first_obs + len(observation)] == observation
+        assert r.response_mask[first_obs:first_obs + len(observation)] == [0] * len(observation)  # the whole observation
+        assert all(lp == 0.0 for lp, m in zip(r.logprobs, r.response_mask) if m == 0)
         mask[i, :len(r.response_mask)] = torch.tensor(r.response_mask, dtype=torch.float32)
         engine_lp[i, :len(r.logprobs)] = torch.tensor(r.logprobs)
     batch = SequenceBatch([PROMPTS[r.prompt_index] + r.response_token_ids for r in results],
