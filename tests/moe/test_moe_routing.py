@@ -271,11 +271,12 @@ def test_recorded_routes_do_not_depend_on_how_the_prompts_are_shared_out(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_grpo_with_replay_at_cp2_x_tp2_with_sp_against_one_process(tmp_path):
-    """2 GRPO steps with routing replay and frozen routers on the near-tied qwen3_moe, at cp2 x tp2
-    with sequence parallelism (4 ranks; the default at tp > 1: each TP rank replays the routes of the
-    SP block of its CP rank's tokens) and in one process. tp2 alone takes the same SP path without
-    the CP split, so it is not launched again here (test_replay_under_tp_pp_and_ep covers tp2 replay). The
+def test_grpo_with_replay_at_tp2_with_sp_against_one_process(tmp_path):
+    """2 GRPO steps with routing replay and frozen routers on the near-tied qwen3_moe, at tp2 with
+    sequence parallelism (the default at tp > 1: each TP rank replays the routes of its own s/tp
+    tokens) and in one process, through the trainer. cp2 x tp2 (the SP block of each CP rank's tokens)
+    replays the same way: tests/models/test_context_parallel.py checks its replayed update against one
+    process at the engine, and this check passed at cp2 x tp2 too (4 ranks, left out of CI for time). The
     actor's log-probs equal the rollout's to float32 noise at both steps. Step 1's metrics match one
     process within 1e-3, as tests/trainer/test_ppo_runs.py's layouts do: the hf engine records routes
     per prompt, so every layout's rollout recorded the same routes (before, routes recorded on each
@@ -310,7 +311,7 @@ def test_grpo_with_replay_at_cp2_x_tp2_with_sp_against_one_process(tmp_path):
 
     _, single = run("single", 0)
     assert len(single) == 2
-    for name, nproc, layout in (("cp2xtp2", 4, {"parallel.tp": 2, "parallel.cp": 2}),):
+    for name, nproc, layout in (("tp2", 2, {"parallel.tp": 2}),):
         proc, rows = run(name, nproc, **layout)
         assert f"tp=2 sp pp=1 cp={layout.get('parallel.cp', 1)}" in proc.stdout  # with sequence parallelism
         assert len(rows) == 2

@@ -58,8 +58,8 @@ def test_ppo_from_a_hub_id_offline_and_a_moved_commit_on_resume(tmp_path):
 
     # main moves to a new commit (the same files: only the commit tells them apart)
     hub_cache(cache, REPO_ID, model, COMMIT_B)
-    refused = launch(2, over(**{"trainer.total_steps": 4}), env=env)
-    assert refused.returncode != 0, refused.stdout + refused.stderr  # rank 0 exits 2; torchrun reports 1
+    refused = launch(0, over(**{"trainer.total_steps": 4}), env=env)  # refused before any rank starts work
+    assert refused.returncode == 2, refused.stdout + refused.stderr
     assert f'hub.model.path.revision: "{COMMIT_A}" -> "{COMMIT_B}"' in refused.stderr
     assert refused.stderr.count("trainer.resume_allow_changes=true") == 1, refused.stderr
 
