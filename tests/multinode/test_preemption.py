@@ -43,28 +43,40 @@ def _worker(launcher: psutil.Process, rank: int) -> psutil.Process:
     raise AssertionError(f"no worker with RANK={rank} under torchrun")
 
 
+def _signal_workers_after_two_steps(overrides: list[str], run_dir: Path, ranks: tuple[int, ...], sig,
+                                    timeout_s: int) -> tuple[int, str]:
+    """Launch a 2-rank run, send `sig` to the workers of `ranks` (all found before any is signalled)
+    once it has logged 2 steps, and return torchrun's exit code and output (waiting at most timeout_s
+    for the run to end after the signal)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "launch/ppo.py",
+           "--config", "configs/tiny_cpu.yaml", *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        try:
+            deadline = time.monotonic() + 600
+            while _steps_logged(run_dir) < 2 and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert proc.poll() is None, "the run ended before it could be signalled"
+            launcher = psutil.Process(proc.pid)
+            for worker in [_worker(launcher, rank) for rank in ranks]:
+                worker.send_signal(sig)
+            out, _ = proc.communicate(timeout=timeout_s)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    return proc.returncode, out
+
+
 def test_sigterm_to_one_rank_then_requeue_equals_straight_run(tmp_path):
     steps = {"trainer.total_steps": 6, "data.prompts_per_step": 4, "rollout.samples_per_prompt": 2,
              "actor.ppo_epochs": 1, "critic.ppo_epochs": 1}
     straight, preempted = tmp_path / "straight", tmp_path / "preempted"
     launch_ok(2, small_run_overrides(tmp_path, straight, **steps))
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "launch/ppo.py",
-           "--config", "configs/tiny_cpu.yaml", *small_run_overrides(tmp_path, preempted, **steps)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        try:
-            deadline = time.monotonic() + 600
-            while _steps_logged(preempted) < 2 and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert proc.poll() is None, "the run ended before it could be signalled"
-            # Only rank 1 gets the signal: rank 0 must learn of it at the step boundary and stop with it.
-            _worker(psutil.Process(proc.pid), rank=1).send_signal(signal.SIGTERM)
-            out, _ = proc.communicate(timeout=600)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    assert proc.returncode != 0, out[-4000:]
+    # Only rank 1 gets the signal: rank 0 must learn of it at the step boundary and stop with it.
+    returncode, out = _signal_workers_after_two_steps(small_run_overrides(tmp_path, preempted, **steps), preempted,
+                                                      (1,), signal.SIGTERM, timeout_s=600)
+    assert returncode != 0, out[-4000:]
     assert f"exitcode  : {PREEMPTED_EXIT_CODE}" in out, out[-4000:]  # torchrun's failure report, both ranks
     assert out.count(f"exitcode  : {PREEMPTED_EXIT_CODE}") == 2, out[-4000:]
     assert "SIGTERM: stopped after step" in out, out[-4000:]
@@ -111,24 +123,9 @@ def test_kill_9_at_k1_then_resume_trains_each_sample_once(tmp_path):
         "algorithm.adv_estimator": "grpo", "actor.ppo_epochs": 1, "trainer.save_every_steps": 1,
         "rollout.placement": "separate", "rollout.num_ranks": 1, "async.max_staleness": 1,
         "async.partial_rollout": "true", "tracking.sample_ids": "true"})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "launch/ppo.py",
-           "--config", "configs/tiny_cpu.yaml", *overrides]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        try:
-            deadline = time.monotonic() + 600
-            while _steps_logged(run_dir) < 2 and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert proc.poll() is None, "the run ended before it could be killed"
-            launcher = psutil.Process(proc.pid)
-            workers = [_worker(launcher, rank) for rank in (0, 1)]  # the trainer, then the rollout rank
-            for worker in workers:
-                worker.send_signal(signal.SIGKILL)
-            out, _ = proc.communicate(timeout=300)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    assert proc.returncode != 0, out[-4000:]
+    # both workers, the trainer and the rollout rank: no handler runs, as when a node is lost
+    returncode, out = _signal_workers_after_two_steps(overrides, run_dir, (0, 1), signal.SIGKILL, timeout_s=300)
+    assert returncode != 0, out[-4000:]
     killed = _samples_log(run_dir)
     stopped = int(latest_checkpoint(run_dir).name.split("_")[1])
     assert 1 <= stopped < total and set(range(1, stopped + 1)) <= set(killed), (stopped, sorted(killed))
