@@ -79,6 +79,7 @@ SlurmctldHost={socket.gethostname()}({nodes[0].addr})
 SlurmctldPort={_port()}
 SlurmdPort={_port()}
 AuthType=auth/none
+AuthInfo=cred_expire=30
 CredType=cred/none
 SlurmUser=root
 SlurmdUser=root
@@ -92,6 +93,7 @@ ProctrackType=proctrack/pgid
 TaskPlugin=task/none
 MpiDefault=none
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
