@@ -74,8 +74,9 @@ demo-eval: setup
 		--run-config $(DEMO_RUN)/config.yaml
 
 # --- tests ---------------------------------------------------------------------------------------------
-# make test = the full suite (PY's stack), then the core tier (the other stack), then real vLLM, then
-# the image check. The other two environments and the image's pip resolution (docker-check) are mostly
+# make test = the full suite (PY's stack), then the core tier (the other stack) and real vLLM side by
+# side (separate environments: the vLLM tier's 3 minutes overlap the core tier's 5), then the
+# image check. The other two environments and the image's pip resolution (docker-check) are mostly
 # downloads: they run in the background while the CPU-bound full suite runs (log: runs/envs.log), which
 # saves about ten minutes in CI; the image test then reads the resolved reports (seconds).
 DOCKER_TEST := tests/image/test_docker_check.py::test_make_docker_check_passes_on_the_image_and_fails_on_the_old_one
@@ -85,14 +86,16 @@ test: $(FULL_SETUP) multinode-deps monitor-deps
 	status=0; \
 	$(MAKE) --no-print-directory test-full TEST_FULL_ARGS="--deselect $(DOCKER_TEST)" || status=1; \
 	if ! wait $$envs; then echo "building the other environments or make docker-check failed:"; tail -n 40 runs/envs.log; exit 1; fi; \
+	$(MAKE) --no-print-directory test-vllm > runs/test-vllm.log 2>&1 & vllm=$$!; \
 	$(MAKE) --no-print-directory test-core || status=1; \
-	$(MAKE) --no-print-directory test-vllm || status=1; \
+	wait $$vllm || status=1; \
+	echo "--- make test-vllm (ran beside test-core; log: runs/test-vllm.log) ---"; cat runs/test-vllm.log; \
 	$(FULL_BIN)/python -m pytest $(DOCKER_TEST) || status=1; \
 	exit $$status
 
 # The cross-release checkpoint test needs both stacks: it runs in test-core, in both directions.
 test-full: $(FULL_SETUP) multinode-deps monitor-deps
-	$(FULL_BIN)/python -m pytest tests --durations=25 $(TEST_FULL_ARGS)
+	$(FULL_BIN)/python -m pytest tests --durations=60 $(TEST_FULL_ARGS)
 
 test-core: setup setup-py312
 	MEGARL_OTHER_PYTHON=$(abspath $(FULL_BIN))/python $(CORE_BIN)/python -m pytest $(CORE_TESTS)
