@@ -41,7 +41,8 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     # A save killed half-way leaves a temporary directory: resume must ignore it.
     (split / "checkpoints" / "step_00000003.tmp-step3" / "actor").mkdir(parents=True)
     # A changed learning rate would make the resumed run differ from the straight one: refused (issue 11).
-    refused = launch(2, small_run_overrides(tmp_path, split, **{"trainer.total_steps": 4, "actor.optim.lr": 2e-3}, **extra))
+    # (one plain process: the refusal comes before any rank starts work)
+    refused = launch(0, small_run_overrides(tmp_path, split, **{"trainer.total_steps": 4, "actor.optim.lr": 2e-3}, **extra))
     assert refused.returncode != 0 and refused.stderr.count("trainer.resume_allow_changes=true") == 1, refused.stderr
     proc = launch_ok(2, small_run_overrides(tmp_path, split, **{"trainer.total_steps": 4}, **extra))
     assert "resumed from" in proc.stdout and "step_00000002" in proc.stdout
