@@ -24,10 +24,10 @@ import functools
 import math
 from dataclasses import asdict, dataclass, field
 
-from megarl.plan.arch import (Arch, Tensor, embedding_tensor, forward_flops_per_token, head_tensors, layer_tensors,
+from megarl.capacity.arch import (Arch, Tensor, embedding_tensor, forward_flops_per_token, head_tensors, layer_tensors,
                               lora_tensors, params_active, params_mtp, params_total, stage_layers, train_flops_per_token)
 from megarl.layout import ParallelLayout, RolloutLayout, assign_rollout, check_model, check_rollout, hybridflow_bytes_per_rank
-from megarl.plan.hardware import GPU
+from megarl.capacity.hardware import GPU
 
 GIB = 2**30
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
