@@ -15,8 +15,8 @@ Offload (megarl's `*_offload`): what is offloaded leaves the GPU while the rollo
 comes back for the next forward/backward. `optimizer_offload="cpu"` is Megatron's CPU optimizer
 (state on host for the step too: verl's recipes), which megarl's engine does not do yet.
 It is long because it holds the planner's three estimates (memory per phase, sync bytes, step
-time) and the search over layouts that compares them; the search is the part to move out when the
-planner's `make_plan` is split by what it owns (issue 29).
+time) and the search over layouts that compares them; the search (`search`, `balanced_split`) is
+the part to move out next if it grows.
 """
 from __future__ import annotations
 
