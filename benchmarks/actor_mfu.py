@@ -5,7 +5,7 @@
 
 Builds a random Llama-style model of the preset's size with make_tiny_model (bf16 on GPU), runs
 `--warmup` + `--iters` actor updates on random sequences through MegatronEngine.train_step, and
-reports tokens/s, model FLOPs per token (megarl.plan.train_flops_per_token: 6 x the matmul
+reports tokens/s, model FLOPs per token (megarl.capacity.train_flops_per_token: 6 x the matmul
 weights, LM head included, input-embedding lookup and norms not, + causal attention; forward +
 backward; recompute not counted), TFLOP/s and MFU against --peak-tflops (989 for H100/H200 bf16
 dense). Megatron-LM reaches about 40-50% MFU on such GPUs for dense models.
@@ -77,7 +77,7 @@ def main() -> int:
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / args.iters
     tokens = n * seq * dims.dp
-    from megarl.plan import arch_from_config, load_config, train_flops_per_token
+    from megarl.capacity import arch_from_config, load_config, train_flops_per_token
 
     flops_per_token = train_flops_per_token(arch_from_config(load_config(model_dir)), seq)
     tflops_per_gpu = flops_per_token * tokens / seconds / dims.world_size / 1e12

@@ -10,7 +10,7 @@ on CPU), the achievable ceiling the actor's MFU is also reported against. Writes
 actor (issue 13): megarl's actor update -- old log-probs (forward only) + one train step (forward,
 backward, clip, Adam), exactly what benchmarks/overhead.py times -- of a ~1B dense Llama (preset
 1b: 16 layers, hidden 2048, vocab 32000) in bf16, with megarl's own SDPA core attention (no
-Transformer-Engine), and its MFU: model FLOPs of the update (megarl.plan.forward_flops_per_token
+Transformer-Engine), and its MFU: model FLOPs of the update (megarl.capacity.forward_flops_per_token
 x 4: the forward-only pass + forward + backward; matmul weights with the LM head, causal attention,
 no embedding lookup) per second, over the datasheet peak (--peak-tflops, 989: H100/H200 bf16 dense;
 `mfu_of_datasheet_peak`, what the 40% target is about) and over the matmul peak measured on the
@@ -128,8 +128,8 @@ def actor(args, dims, gpu: bool, save) -> dict:
     from overhead import make_batch, megarl_update
 
     from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
-    from megarl.plan import arch_from_config, load_config
-    from megarl.plan.arch import forward_flops_per_token
+    from megarl.capacity import arch_from_config, load_config
+    from megarl.capacity.arch import forward_flops_per_token
 
     preset = "tiny" if args.tiny else "1b"
     seq, n = (64, 4) if args.tiny else (args.seq_len, args.sequences)
@@ -175,7 +175,7 @@ def actor(args, dims, gpu: bool, save) -> dict:
         "max_memory_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if gpu else None,
         # On CPU (--tiny) there is no peak to measure against: the run only shows the code works.
         "ok": all(s > 0 for s in seconds) and (mfu is None or mfu >= MFU_TARGET),
-        "flops_note": "megarl.plan.forward_flops_per_token(seq/2) x 4 per token: matmul weights incl. the LM head "
+        "flops_note": "megarl.capacity.forward_flops_per_token(seq/2) x 4 per token: matmul weights incl. the LM head "
                       "(no embedding lookup) and causal attention; forward-only + forward + backward",
         "complete": True,
     }

@@ -6,7 +6,7 @@ when the engine is built, before Adam's moments exist (Megatron creates them at 
 step), and is mapped again at every wake-up: from step 2 on, the training state left on the GPU
 while the engine generates includes the moments, and a budget that fit at start-up runs out of
 memory there. So at start-up, on CUDA with engine vllm or sglang, the planner's arithmetic
-(`megarl.plan.estimate.engine_state`: Megatron's DDP parameter and fp32 gradient buffers, Adam's
+(`megarl.capacity.estimate.engine_state`: Megatron's DDP parameter and fp32 gradient buffers, Adam's
 two fp32 moments and the fp32 main parameters of bf16 weights sharded over data parallelism, per
 role) estimates
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from megarl.config.schema import Config, ConfigError
 
 GIB = 2**30
-OVERHEAD_BYTES = 4 * GIB  # megarl.plan.estimate.RunShape.overhead_gib
+OVERHEAD_BYTES = 4 * GIB  # megarl.capacity.estimate.RunShape.overhead_gib
 # In the order they are turned on: what the engine never needs during generation and costs one
 # host round trip per step first (gradients, optimizer state), then the parameters, which the weight
 # sync also reads back.
@@ -83,10 +83,10 @@ def _offload_flags(cfg: Config, role: str) -> tuple[bool, bool, bool]:
 def estimate(cfg: Config, world_size: int, device_bytes: float) -> ColocatedMemory | None:
     """The estimate for `cfg` as its offloads stand (null = off); None when the planner does not
     know the model (no config.json yet, or a family it does not read)."""
-    from megarl.plan.arch import arch_from_config, load_config
-    from megarl.plan.estimate import Cluster, RunShape, check, engine_state, offloaded_bytes
-    from megarl.plan.from_config import planner_inputs
-    from megarl.plan.hardware import GPU
+    from megarl.capacity.arch import arch_from_config, load_config
+    from megarl.capacity.estimate import Cluster, RunShape, check, engine_state, offloaded_bytes
+    from megarl.capacity.from_config import planner_inputs
+    from megarl.capacity.hardware import GPU
 
     _, lay, _ = planner_inputs(cfg)  # the planner's layout of this config, as `megarl.tools.plan` reads it
     run = RunShape(dtype=cfg.model.dtype, gpu_memory_fraction=cfg.rollout.gpu_memory_utilization)

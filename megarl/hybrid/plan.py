@@ -10,6 +10,10 @@ rank receives exactly (needed - held), from a holder chosen in its own training 
 micro-DP group when possible, so an all-gather inside each micro-DP group is what the plan
 becomes in the HybridFlow case. Tensors bigger than a bucket are cut along a non-TP dimension
 ("rows") into parts that each fit.
+
+The module is long because the plan's types and the steps that fill them read together: `make_plan`
+only sequences its pieces (rollout rows and unit checks, the lower bound, `_Sources` choosing who
+sends, `_cut_buckets` and `_group_ops`), each a function or class of its own below.
 """
 from __future__ import annotations
 
@@ -240,9 +244,36 @@ def make_plan(specs: dict[str, TensorSpec], train: ParallelLayout, assignment: R
     receivers: the ranks that load rollout shards when they are not the training ranks (separate
     placement, megarl.placement): global ranks from train.world_size on, described by
     `assignment` (separate_assignment), holding no training shard.
+
+    The steps, each owned by its own piece: the specs checked and given their rollout rows
+    (`_with_rollout_rows`, `_check_units`), the lower bound per rank (`_lower_bound`), the source of
+    every piece (`_Sources`), the buckets and their ops (`_cut_buckets`).
     """
     if bucket_bytes < ALIGN:
         raise ValueError(f"bucket_bytes must be at least {ALIGN}, got {bucket_bytes}")
+    specs = _with_rollout_rows(specs, rollout_rows, rollout_tp)
+    W = train.world_size if receivers is None else max(train.world_size, max(receivers) + 1)
+    loaders = tuple(range(W)) if receivers is None else tuple(sorted(receivers))
+    _check_units(specs, rollout_tp)
+    order = sorted(specs, key=natural_key)
+    min_recv, needed_bytes = _lower_bound(specs, order, assignment, rollout_tp, W, loaders)
+    sources = _Sources(train, assignment, rollout_tp, W, loaders)
+    # Source choices balance the send load over tensors in `order`, so they are made in that order.
+    routes = {name: sources.routes(specs[name]) for name in order}
+    buckets = _cut_buckets(specs, order, routes, rollout_tp, bucket_bytes, W, set(assignment.micro_dp_groups))
+    planned_recv = [0] * W
+    for b in buckets:
+        for chunk, _, dsts in b.transfers:
+            for d in dsts:
+                planned_recv[d] += chunk.nbytes
+    return Plan(specs, order, train, assignment, rollout_tp, bucket_bytes, buckets, min_recv, planned_recv,
+                max((s.nbytes for s in specs.values()), default=0), sum(s.nbytes for s in specs.values()), needed_bytes,
+                receivers if receivers is None else loaders)
+
+
+def _with_rollout_rows(specs: dict[str, TensorSpec], rollout_rows: dict[str, tuple[tuple[int, int], ...]] | None,
+                       rollout_tp: int) -> dict[str, TensorSpec]:
+    """A copy of `specs` whose unevenly split tensors carry their rollout rows (checked)."""
     specs = dict(specs)
     for name, rows in (rollout_rows or {}).items():
         s = specs.get(name)
@@ -254,14 +285,11 @@ def make_plan(specs: dict[str, TensorSpec], train: ParallelLayout, assignment: R
         if any(not 0 <= lo <= hi <= s.full_shape[s.tp_dim] for lo, hi in rows):
             raise ValueError(f"{name}: rollout rows {rows} outside its {s.full_shape[s.tp_dim]} rows")
         specs[name] = dataclasses.replace(s, rollout_rows=tuple(tuple(r) for r in rows))
-    W = train.world_size if receivers is None else max(train.world_size, max(receivers) + 1)
-    loaders = tuple(range(W)) if receivers is None else tuple(sorted(receivers))
-    q_of = assignment.rollout_tp_rank
-    group_of_rank = {r: g for g in assignment.micro_dp_groups for r in g}
-    group_members = {g: set(g) for g in assignment.micro_dp_groups}
-    # the training replica (cp_rank + cp * dp_rank); a rollout-only rank belongs to none
-    dp_of = [train.replica(r) if r < train.world_size else -1 for r in range(W)]
-    micro_groups = set(assignment.micro_dp_groups)
+    return specs
+
+
+def _check_units(specs: dict[str, TensorSpec], rollout_tp: int) -> None:
+    """Every TP-split tensor's blocks cut into lcm(train tp, rollout tp) equal units."""
     for name, s in specs.items():
         if s.tp_dim is not None:
             L = s.units(rollout_tp)
@@ -269,14 +297,46 @@ def make_plan(specs: dict[str, TensorSpec], train: ParallelLayout, assignment: R
             if block % L:
                 raise ValueError(f"{name}: dim {s.tp_dim} has blocks of {block}, not divisible into lcm(train tp {s.tp_size}, "
                                  f"rollout tp {rollout_tp}) = {L} units")
-    order = sorted(specs, key=natural_key)
-    send_load = [0] * W
+
+
+def _lower_bound(specs: dict[str, TensorSpec], order: list[str], assignment: RolloutAssignment, rollout_tp: int,
+                 W: int, loaders: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """Per rank: the bytes it must receive (needed - held) and its whole rollout shard, both
+    independent of source choices."""
+    q_of = assignment.rollout_tp_rank
     min_recv = [0] * W
     needed_bytes = [0] * W
-    planned_recv = [0] * W
+    for name in order:
+        s = specs[name]
+        L = s.units(rollout_tp)
+        held_by = {h: s.held_span(j, L) for h, j in s.holders}
+        for r in loaders:
+            need = s.needed_span(q_of[r], rollout_tp, L)
+            have = need & held_by[r] if r in held_by else None
+            min_recv[r] += s.span_nbytes(need, L) - (s.span_nbytes(have, L) if have else 0)
+            needed_bytes[r] += s.span_nbytes(need, L)
+    return min_recv, needed_bytes
 
-    def routes(s: TensorSpec) -> list[tuple[Span, int, tuple[int, ...]]]:
+
+class _Sources:
+    """Chooses who sends each piece: a holder in the receiver's own training replica and micro-DP
+    group when possible, the least loaded so far (the load carries over from tensor to tensor)."""
+
+    def __init__(self, train: ParallelLayout, assignment: RolloutAssignment, rollout_tp: int, W: int,
+                 loaders: tuple[int, ...]):
+        self.rollout_tp = rollout_tp
+        self.loaders = loaders
+        self.q_of = assignment.rollout_tp_rank
+        self.group_of_rank = {r: g for g in assignment.micro_dp_groups for r in g}
+        self.group_members = {g: set(g) for g in assignment.micro_dp_groups}
+        # the training replica (cp_rank + cp * dp_rank); a rollout-only rank belongs to none
+        self.dp_of = [train.replica(r) if r < train.world_size else -1 for r in range(W)]
+        self.send_load = [0] * W
+
+    def routes(self, s: TensorSpec) -> list[tuple[Span, int, tuple[int, ...]]]:
         """[(piece, src, dsts)] so that every rank ends up with its needed span of s."""
+        rollout_tp, q_of, send_load = self.rollout_tp, self.q_of, self.send_load
+        group_of_rank, group_members, dp_of = self.group_of_rank, self.group_members, self.dp_of
         L = s.units(rollout_tp)
         holder_spans: dict[Span, list[int]] = {}
         held_by: dict[int, Span] = {}
@@ -286,7 +346,7 @@ def make_plan(specs: dict[str, TensorSpec], train: ParallelLayout, assignment: R
             held_by[h] = sp
         choice: dict[tuple[Span, tuple[int, ...]], int] = {}
         moves: dict[tuple[Span, int], list[int]] = {}
-        for r in loaders:
+        for r in self.loaders:
             need = s.needed_span(q_of[r], rollout_tp, L)
             for sp, holders in holder_spans.items():
                 piece = need & sp
@@ -303,6 +363,12 @@ def make_plan(specs: dict[str, TensorSpec], train: ParallelLayout, assignment: R
                 moves.setdefault((piece, choice[key]), []).append(r)
         return [(piece, src, tuple(sorted(dsts))) for (piece, src), dsts in sorted(moves.items(), key=lambda kv: (kv[0][0].lo, kv[0][1]))]
 
+
+def _cut_buckets(specs: dict[str, TensorSpec], order: list[str], routes: dict[str, list], rollout_tp: int,
+                 bucket_bytes: int, W: int, micro_groups: set[tuple[int, ...]]) -> list[Bucket]:
+    """Fill buckets with whole tensors in `order` while every rank's bytes fit; a tensor that does
+    not fit alone is cut along its split_dim into parts that each fit."""
+
     def transfers_for(s: TensorSpec, rts, rows) -> list[tuple[Chunk, int, tuple[int, ...]]]:
         L = s.units(rollout_tp)
         return [(Chunk(s.name, piece, rows, s.span_nbytes(piece, L, rows)), src, dsts) for piece, src, dsts in rts]
@@ -314,16 +380,6 @@ def make_plan(specs: dict[str, TensorSpec], train: ParallelLayout, assignment: R
             for d in dsts:
                 c[d] += chunk.padded
         return c
-
-    for name in order:  # the lower bound, independent of source choices
-        s = specs[name]
-        L = s.units(rollout_tp)
-        held_by = {h: s.held_span(j, L) for h, j in s.holders}
-        for r in loaders:
-            need = s.needed_span(q_of[r], rollout_tp, L)
-            have = need & held_by[r] if r in held_by else None
-            min_recv[r] += s.span_nbytes(need, L) - (s.span_nbytes(have, L) if have else 0)
-            needed_bytes[r] += s.span_nbytes(need, L)
 
     buckets: list[Bucket] = []
     cur_entries: list[Entry] = []
@@ -338,7 +394,7 @@ def make_plan(specs: dict[str, TensorSpec], train: ParallelLayout, assignment: R
 
     for name in order:
         s = specs[name]
-        rts = routes(s)
+        rts = routes[name]
         whole = transfers_for(s, rts, None)
         whole_cost = cost(whole)
         if max(whole_cost) <= bucket_bytes or s.split_dim is None:
@@ -359,14 +415,7 @@ def make_plan(specs: dict[str, TensorSpec], train: ParallelLayout, assignment: R
             tr = transfers_for(s, rts, (bounds[i], bounds[i + 1]))
             buckets.append(Bucket(_group_ops(tr, micro_groups), [Entry(name, (bounds[i], bounds[i + 1]), i == parts - 1)], tr))
     close()
-
-    for b in buckets:
-        for chunk, _, dsts in b.transfers:
-            for d in dsts:
-                planned_recv[d] += chunk.nbytes
-    return Plan(specs, order, train, assignment, rollout_tp, bucket_bytes, buckets, min_recv, planned_recv,
-                max((s.nbytes for s in specs.values()), default=0), sum(s.nbytes for s in specs.values()), needed_bytes,
-                receivers if receivers is None else loaders)
+    return buckets
 
 
 def _group_ops(transfers, micro_groups: set[tuple[int, ...]]) -> list[Op]:

@@ -8,7 +8,7 @@
 - `rollout.py`: rollout groups (`check_rollout`, `rollout_blocks`, `assign_rollout`,
   `separate_assignment` for separate placement) and the HybridFlow transition bound.
 
-`megarl.parallel.ParallelDims` (process groups), config validation, the planner (`megarl.plan`),
+`megarl.parallel.ParallelDims` (process groups), config validation, the planner (`megarl.capacity`),
 the model builder, the HybridEngine and the rollout builder all read it.
 """
 from megarl.layout.model import ModelShape, check_model, check_training, padded_vocab, refuse_moe_tensor_parallel

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from megarl.models.families import FAMILY_NAMES
+from megarl.models.families import FAMILY_NAMES, LARGE_MOE_FAMILIES
 
 ARCHS = FAMILY_NAMES  # every family megarl builds (megarl.models.families)
 DIGITS_ALPHABET = list("0123456789+-*=;:?# ")
@@ -103,7 +103,7 @@ def build_config(arch: str, vocab_size: int, args: argparse.Namespace):
             moe_intermediate_size=args.intermediate // 2,
             norm_topk_prob=True,
         )
-    if arch in ("deepseek_v3", "glm4_moe"):
+    if arch in LARGE_MOE_FAMILIES:
         if args.experts % args.groups or args.experts // args.groups < 2:
             raise ValueError(f"--experts {args.experts} must split into --groups {args.groups} groups of at least 2 experts")
         if args.dense_layers >= args.layers:

@@ -12,7 +12,7 @@ activations; rollout: the weights in the rollout layout and the KV cache; what o
 the weight-sync bytes per GPU (HybridFlow's bound, megarl's plan, the naive all-gather) and their
 time at the link bandwidth, and a step-time estimate by phase at an assumed MFU. `--json PATH`
 writes the report; its top-level `fits` is true or false and `params_total` the parameter count.
-The arithmetic, with its assumptions, is in megarl/plan/. Exit status: 0 fits, 1 does not fit,
+The arithmetic, with its assumptions, is in megarl/capacity/. Exit status: 0 fits, 1 does not fit,
 2 bad input.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from megarl import hub
-from megarl.plan import Cluster, Layout, RunShape, arch_from_config, gpu_table, load_config, plan, search
+from megarl.capacity import Cluster, Layout, RunShape, arch_from_config, gpu_table, load_config, plan, search
 
 
 def parser() -> argparse.ArgumentParser:
@@ -171,8 +171,8 @@ def render(report: dict) -> str:
 
 def placement_estimate(report: dict, cluster, args) -> dict | None:
     """Colocated, separate-sync and separate-async step times from the report's phase costs
-    (megarl.plan.placement); None on one GPU (nothing to split)."""
-    from megarl.plan.placement import best_split, placement_times
+    (megarl.capacity.placement); None on one GPU (nothing to split)."""
+    from megarl.capacity.placement import best_split, placement_times
 
     if cluster.gpus < 2:
         return None

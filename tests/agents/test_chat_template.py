@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import FAMILIES
 from megarl.agents.chat import ChatTurns
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -63,7 +64,7 @@ def _episode(chat, tok, stop, answers=ANSWERS, turn_ids=None, observe=None):
     return messages, built, segments
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_turn_by_turn_equals_the_template(tiny_models, family):
     tok, stop = _tokenizer(tiny_models, family)
     chat = ChatTurns(tok)

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import REPO, hub_cache, make_model, torchrun
 
-sys.path.insert(0, str(REPO / "tests" / "plan"))
+sys.path.insert(0, str(REPO / "tests" / "capacity"))
 from hf_configs import QWEN25_7B  # noqa: E402
 
 COMMIT = "d" * 40

@@ -1,6 +1,6 @@
 """Issue 14's layout keys (parallel.vpp, first_stage_layers, last_stage_layers, etp) in config
 validation, and the 671B-class configs loaded and validated at the world size they are written for,
-against their models' real config.json dimensions (tests/plan/hf_configs.py)."""
+against their models' real config.json dimensions (tests/capacity/hf_configs.py)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ from conftest import REPO
 from megarl.config import ConfigError, load_config, validate
 from megarl.config.inputs import check_model_layout
 
-sys.path.insert(0, str(REPO / "tests" / "plan"))
+sys.path.insert(0, str(REPO / "tests" / "capacity"))
 from hf_configs import DEEPSEEK_V3, GLM45, QWEN3_235B  # noqa: E402
 
 BASE = ["model.path=m", "data.train_files=[t.parquet]"]

@@ -11,7 +11,7 @@ from conftest import REPO
 from megarl.config import ConfigError, load_config, validate
 from megarl.config.inputs import check_model_layout
 
-sys.path.insert(0, str(REPO / "tests" / "plan"))
+sys.path.insert(0, str(REPO / "tests" / "capacity"))
 from hf_configs import QWEN3_235B, QWEN25_7B  # noqa: E402
 
 BASE = ["model.path=m", "data.train_files=[t.parquet]"]

@@ -1,6 +1,6 @@
 """The start-up memory check of a colocated vLLM/SGLang engine (issue 22 item 6, audit F4), on CPU:
 the device's memory and the CUDA probe are injected. Model sizes are public config.json files
-(tests/plan/hf_configs.py); the arithmetic is the planner's, so the estimate is compared with it."""
+(tests/capacity/hf_configs.py); the arithmetic is the planner's, so the estimate is compared with it."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ from conftest import REPO
 from megarl.config import load_config
 from megarl.config.memory import check_colocated_memory, estimate
 
-sys.path.insert(0, str(REPO / "tests" / "plan"))
+sys.path.insert(0, str(REPO / "tests" / "capacity"))
 from hf_configs import QWEN25_05B, QWEN25_7B  # noqa: E402
 
 H200 = 141 * 2**30
@@ -33,8 +33,8 @@ def run_config(model, *overrides):
 
 
 def test_estimate_is_the_planners(tmp_path):
-    from megarl.plan import Cluster, Layout, RunShape, arch_from_config, plan
-    from megarl.plan.hardware import GPUS
+    from megarl.capacity import Cluster, Layout, RunShape, arch_from_config, plan
+    from megarl.capacity.hardware import GPUS
 
     cfg = run_config(model_dir(tmp_path, QWEN25_7B), "algorithm.adv_estimator=gae", "actor.grad_offload=true",
                      "critic.grad_offload=true", "actor.optimizer_offload=true", "critic.optimizer_offload=true")

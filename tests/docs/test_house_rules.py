@@ -91,3 +91,29 @@ def test_the_families_have_one_list():
     assert typing.get_args(typing.get_type_hints(MakeTinyConfig)["arch"]) == families.DENSE_FAMILIES + families.MOE_FAMILIES
     table = (REPO / "docs" / "models.md").read_text().split("## Supported families", 1)[1].split("\n#", 1)[0]
     assert tuple(re.findall(r"^\| `(\w+)` \|", table, flags=re.M))[1:] == names  # [0]: the header, `model_type`
+
+
+# Lists that name families for a reason of their own, not as a copy of the family list: the
+# families the direct vLLM weight path covers (today the dense ones; megarl/rollout/ is another
+# engineer's area in the session that added this test, so it is named here rather than rewritten).
+OWN_FAMILY_LISTS = {"megarl/rollout/vllm_direct.py": {("llama", "qwen2", "qwen3")}}
+
+
+def test_no_other_module_spells_out_a_list_of_families():
+    """A tuple, list or set of two or more family names written out in megarl/ outside
+    megarl/models/families.py is a second family list: read it from families.py instead."""
+    from megarl.models.families import FAMILY_NAMES
+
+    copies = {}
+    for path in _python_files("megarl"):
+        rel = path.relative_to(REPO).as_posix()
+        text = path.read_text()
+        if rel == "megarl/models/families.py" or sum(f'"{n}"' in text for n in FAMILY_NAMES) < 2:
+            continue  # (parsing only the files that quote two names keeps this test under a second)
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(node.elts) >= 2 and all(
+                    isinstance(e, ast.Constant) and e.value in FAMILY_NAMES for e in node.elts):
+                names = tuple(e.value for e in node.elts)
+                if names not in OWN_FAMILY_LISTS.get(rel, set()):
+                    copies.setdefault(rel, []).append(f"line {node.lineno}: {names}")
+    assert not copies, f"family names listed outside megarl/models/families.py: {copies}"

@@ -1,7 +1,7 @@
 """The weight sync reads the actor's parameters and nothing else: with everything offloaded,
 `MegatronEngine.local_weight_shards` brings back only the parameters (the gradients and optimizer
 state stay on the host until the update needs them), so one sync costs one parameter round trip,
-not a round trip of the whole training state (the planner counts it so: megarl/plan/estimate.py)."""
+not a round trip of the whole training state (the planner counts it so: megarl/capacity/estimate.py)."""
 from __future__ import annotations
 
 import torch

@@ -24,7 +24,7 @@ def test_imports_without_torch():
         sys.modules["megatron"] = None
         from megarl.layout import ParallelLayout, check_model, ModelShape
         from megarl.config import load_config, validate
-        from megarl.plan import arch, estimate, from_config
+        from megarl.capacity import arch, estimate, from_config
         lay = ParallelLayout.for_world(16, tp=2, pp=2, cp=2)
         print(lay.dp, lay.stage_layer_counts(8), lay.coords(13))
         cfg = load_config("configs/tiny_cpu.yaml", ["parallel.tp=2"])
@@ -153,7 +153,7 @@ def test_planner_reads_the_config_with_the_schemas_defaults(tmp_path):
     """A config that omits rollout.max_new_tokens, data.max_prompt_tokens and
     actor.max_tokens_per_microbatch is planned as the run it is: with the schema's defaults."""
     from megarl.config.schema import Config
-    from megarl.plan.from_config import load_run_config, planner_inputs
+    from megarl.capacity.from_config import load_run_config, planner_inputs
 
     path = tmp_path / "run.yaml"
     path.write_text("model: {path: /models/qwen}\ndata: {train_files: [t.parquet], prompts_per_step: 64}\n"

@@ -15,7 +15,7 @@ from conftest import REPO, make_model, torchrun
 from megarl.config import ConfigError, load_config
 from megarl.config.inputs import check_model_layout
 
-sys.path.insert(0, str(REPO / "tests" / "plan"))
+sys.path.insert(0, str(REPO / "tests" / "capacity"))
 from hf_configs import QWEN3_235B  # noqa: E402
 
 FIX = "set parallel.sequence_parallel=true (the default)"

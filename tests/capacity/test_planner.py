@@ -12,10 +12,10 @@ import pytest
 
 from conftest import REPO
 from hf_configs import DEEPSEEK_V3, GLM45, LLAMA3_70B, PUBLISHED_PARAMS, QWEN3_4B, QWEN3_235B, QWEN25_05B, QWEN25_7B, write
-from megarl.plan import Cluster, GPUS, Layout, RunShape, arch_from_config, plan, search, train_flops_per_token
-from megarl.plan.estimate import GIB
-from megarl.plan.arch import forward_flops_per_token, params_mtp, params_total, stage_layers
-from megarl.plan.from_config import load_run_config, planner_inputs
+from megarl.capacity import Cluster, GPUS, Layout, RunShape, arch_from_config, plan, search, train_flops_per_token
+from megarl.capacity.estimate import GIB
+from megarl.capacity.arch import forward_flops_per_token, params_mtp, params_total, stage_layers
+from megarl.capacity.from_config import load_run_config, planner_inputs
 
 
 @pytest.mark.parametrize("name", PUBLISHED_PARAMS)
@@ -30,7 +30,7 @@ def test_deepseek_v3_mtp_and_active_params():
     # main model's; 37B activated per token.
     shared_embedding_and_head = 2 * 129280 * 7168
     assert params_mtp(arch) + shared_embedding_and_head == pytest.approx(14e9, rel=0.05)
-    from megarl.plan.arch import params_active
+    from megarl.capacity.arch import params_active
     assert params_active(arch) == pytest.approx(37e9, rel=0.03)
     no_q_lora = arch_from_config({**DEEPSEEK_V3, "q_lora_rank": None})  # DeepSeek-V2-Lite style: a plain q projection
     assert params_total(no_q_lora) - params_total(arch) == 61 * (7168 * 128 * 192 - 7168 * 1536 - 1536 - 1536 * 128 * 192)
@@ -48,7 +48,7 @@ def test_hand_worked_flops():
 
 
 def test_uneven_stages():
-    from megarl.plan.estimate import balanced_split
+    from megarl.capacity.estimate import balanced_split
 
     assert [len(r) for r in stage_layers(61, 16, 3, 2)] == [3] + [4] * 14 + [2]
     assert [len(r) for r in stage_layers(61, 12, None, 6)] == [5] * 11 + [6]
@@ -152,7 +152,7 @@ SHIPPED = {"qwen2.5-0.5b-gsm8k.yaml": (QWEN25_05B, Cluster(1, 1, GPUS["h100-80gb
 def test_shipped_configs_fit_their_stated_cluster(tmp_path):
     for path in sorted((REPO / "configs").glob("*.yaml")):
         if path.name == "tiny_cpu.yaml" or path.name.startswith("tiny_"):
-            continue  # CPU demos: sized by tests/plan/test_planner_vs_measured.py against measurement
+            continue  # CPU demos: sized by tests/capacity/test_planner_vs_measured.py against measurement
         assert path.name in SHIPPED, f"{path.name}: add its model config and stated cluster to SHIPPED"
         hf, cluster = SHIPPED[path.name]
         _, lay, run = planner_inputs(load_run_config(path))
@@ -222,7 +222,7 @@ def test_sequence_parallelism_splits_the_norm_share_of_activations():
     # inputs and outputs) are whole on every TP rank without sequence parallelism, 4h / tp with it.
     from dataclasses import replace
 
-    from megarl.plan.estimate import activation_bytes
+    from megarl.capacity.estimate import activation_bytes
 
     arch, run = arch_from_config(QWEN25_7B), RunShape(max_tokens_per_microbatch=4096, dtype="bfloat16")
     lay = Layout(tp=4)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from megarl.config import Config, load_config
-from megarl.plan.estimate import Layout, RunShape
+from megarl.capacity.estimate import Layout, RunShape
 
 
 def load_run_config(path: str | Path, overrides: list[str] = ()) -> Config:

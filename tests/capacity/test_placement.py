@@ -1,9 +1,9 @@
-"""The planner's placement estimate (megarl.plan.placement), hand-worked."""
+"""The planner's placement estimate (megarl.capacity.placement), hand-worked."""
 from __future__ import annotations
 
 import pytest
 
-from megarl.plan.placement import best_split, placement_times
+from megarl.capacity.placement import best_split, placement_times
 
 # colocated on 4 GPUs: sync 1 s, generation 6 s, training 1 + 3 = 4 s -> 11 s per step
 PHASES = {"sync": 1.0, "gen": 6.0, "old_log_prob": 1.0, "update_actor": 3.0, "total": 11.0, "sync_share": 0.09}

@@ -1,6 +1,6 @@
 """Capacity planning on paper: will a layout fit, what does a weight sync cost, where does the
 step time go. Pure arithmetic from a HF config.json (no torch model is built), documented so
-that the engine's own numbers can be checked against it (tests/plan):
+that the engine's own numbers can be checked against it (tests/capacity):
 
 - `arch`: the model's tensors as Megatron holds them, parameter counts, FLOPs per token;
 - `hardware`: the GPU table (memory, bf16 peak, NVLink/IB bandwidth), user-extendable;
@@ -8,9 +8,9 @@ that the engine's own numbers can be checked against it (tests/plan):
 
 CLI: `python -m megarl.tools.plan` (megarl/tools/plan.py).
 """
-from megarl.plan.arch import Arch, arch_from_config, load_config, params_total, train_flops_per_token
-from megarl.plan.estimate import Cluster, Layout, RunShape, plan, search, sync_bytes
-from megarl.plan.hardware import GPUS, gpu_table
+from megarl.capacity.arch import Arch, arch_from_config, load_config, params_total, train_flops_per_token
+from megarl.capacity.estimate import Cluster, Layout, RunShape, plan, search, sync_bytes
+from megarl.capacity.hardware import GPUS, gpu_table
 
 __all__ = ["Arch", "arch_from_config", "load_config", "params_total", "train_flops_per_token", "Cluster", "Layout",
            "RunShape", "plan", "search", "sync_bytes", "GPUS", "gpu_table"]

@@ -15,8 +15,8 @@ Offload (megarl's `*_offload`): what is offloaded leaves the GPU while the rollo
 comes back for the next forward/backward. `optimizer_offload="cpu"` is Megatron's CPU optimizer
 (state on host for the step too: verl's recipes), which megarl's engine does not do yet.
 It is long because it holds the planner's three estimates (memory per phase, sync bytes, step
-time) and the search over layouts that compares them; the search is the part to move out when the
-planner's `make_plan` is split by what it owns (issue 29).
+time) and the search over layouts that compares them; the search (`search`, `balanced_split`) is
+the part to move out next if it grows.
 """
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ import functools
 import math
 from dataclasses import asdict, dataclass, field
 
-from megarl.plan.arch import (Arch, Tensor, embedding_tensor, forward_flops_per_token, head_tensors, layer_tensors,
+from megarl.capacity.arch import (Arch, Tensor, embedding_tensor, forward_flops_per_token, head_tensors, layer_tensors,
                               lora_tensors, params_active, params_mtp, params_total, stage_layers, train_flops_per_token)
 from megarl.layout import ParallelLayout, RolloutLayout, assign_rollout, check_model, check_rollout, hybridflow_bytes_per_rank
-from megarl.plan.hardware import GPU
+from megarl.capacity.hardware import GPU
 
 GIB = 2**30
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}

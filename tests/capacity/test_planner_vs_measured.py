@@ -15,8 +15,8 @@ sys.path.insert(0, str(REPO / "tests" / "trainer"))
 from ppo_helpers import launch_ok, read_metrics, small_run_overrides  # noqa: E402
 
 from hf_configs import write  # noqa: E402
-from megarl.plan import Cluster, GPUS, Layout, arch_from_config, load_config, plan, sync_bytes  # noqa: E402
-from megarl.plan.from_config import load_run_config, planner_inputs  # noqa: E402
+from megarl.capacity import Cluster, GPUS, Layout, arch_from_config, load_config, plan, sync_bytes  # noqa: E402
+from megarl.capacity.from_config import load_run_config, planner_inputs  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
