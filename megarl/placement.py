@@ -29,9 +29,12 @@ def check_placement(cfg: Config) -> None:
         return
     if r.num_ranks < 1:
         raise ConfigError("rollout.placement=separate needs rollout.num_ranks >= 1 (the last ranks of the world generate)")
-    if r.engine != "hf":
-        raise ConfigError(f"rollout.placement=separate runs rollout.engine=hf so far, got {r.engine}: use rollout.engine=hf "
-                          f"or rollout.placement=colocated")
+    if r.engine not in ("hf", "vllm"):
+        raise ConfigError(f"rollout.placement=separate runs rollout.engine=hf or vllm so far, got {r.engine}: use one of "
+                          f"those or rollout.placement=colocated")
+    if r.engine != "hf" and a.partial_rollout:  # only the hf engine has a hook between the tokens of a request
+        raise ConfigError(f"async.partial_rollout continues requests between tokens, which rollout.engine={r.engine} does not "
+                          f"offer yet: use rollout.engine=hf or async.partial_rollout=false")
     if r.num_ranks % r.tp:
         raise ConfigError(f"rollout.num_ranks = {r.num_ranks} is not divisible by rollout.tp = {r.tp}")
     alg = cfg.algorithm
@@ -58,10 +61,12 @@ class Placement:
     """The world split: training ranks 0 .. train_size-1, rollout ranks train_size .. world_size-1.
 
     Each training rank talks to one rollout rank (round-robin), its *server*; the training ranks a
-    rollout rank serves are its *clients*."""
+    rollout rank serves are its *clients*. With rollout_tp > 1 an engine spans rollout_tp
+    consecutive rollout ranks and only its first one serves (the others follow it in lockstep)."""
 
     world_size: int
     train_size: int
+    rollout_tp: int = 1
 
     def __post_init__(self):
         if not 1 <= self.train_size < self.world_size:
@@ -79,7 +84,8 @@ class Placement:
         return rank >= self.train_size
 
     def server_of(self, train_rank: int) -> int:
-        return self.train_size + train_rank % len(self.rollout_ranks)
+        engines = len(self.rollout_ranks) // self.rollout_tp
+        return self.train_size + (train_rank % engines) * self.rollout_tp
 
     def clients_of(self, rollout_rank: int) -> tuple[int, ...]:
         return tuple(t for t in self.train_ranks if self.server_of(t) == rollout_rank)
@@ -89,13 +95,16 @@ class Placement:
 class WorldGroups:
     """Process groups over the whole world after the split: `ctrl` carries training -> rollout
     commands and prompts (received from any rank), `down` the weight stream (received from named
-    ranks, so a command can never be taken for weight bytes), `up` rollout -> training samples."""
+    ranks, so a command can never be taken for weight bytes), `up` rollout -> training samples.
+    `rollout`: the rollout ranks alone (None on training ranks), the world of their engine
+    (megarl.async_rollout.engine_side: vLLM's external_launcher builds its groups on it)."""
 
     placement: Placement
     world: object
     down: object
     up: object
     ctrl: object
+    rollout: object = None
 
 
 def split_world(placement: Placement) -> WorldGroups:
@@ -114,9 +123,11 @@ def split_world(placement: Placement) -> WorldGroups:
     up = dist.new_group(list(range(placement.world_size)))
     ctrl = dist.new_group(list(range(placement.world_size)))
     train = dist.new_group(list(placement.train_ranks))
+    rollout = dist.new_group(list(placement.rollout_ranks))
     if not placement.is_rollout(dist.get_rank()):
         c10d._world.default_pg = train
-    return WorldGroups(placement, world, down, up, ctrl)
+        rollout = None
+    return WorldGroups(placement, world, down, up, ctrl, rollout)
 
 
 def start(cfg: Config, world_size: int) -> WorldGroups:
@@ -130,4 +141,4 @@ def start(cfg: Config, world_size: int) -> WorldGroups:
     platform = init_platform()
     if not dist.is_initialized():
         dist.init_process_group(backend=platform.backend, timeout=datetime.timedelta(minutes=30))
-    return split_world(Placement(world_size, training_world(cfg, world_size)))
+    return split_world(Placement(world_size, training_world(cfg, world_size), cfg.rollout.tp))

@@ -6,5 +6,7 @@
   into a staging copy) and the generating loop that loads staged weights between requests, or
   between tokens with partial rollout;
 - `client.py`: the training ranks' side: `RemoteRollout` (weights out, prompts out, samples back)
-  and `AsyncSchedule` (requests K steps ahead, the staleness check and refill, its checkpoint state).
+  and `AsyncSchedule` (requests K steps ahead, the staleness check and refill, its checkpoint state);
+- `engine_side.py`: the rollout ranks' engine, built with their own group as vLLM's world, and the
+  weight layout it loads, sent to the training ranks.
 """

@@ -58,14 +58,22 @@ class GenerateRequest:
 class RolloutServer:
     """Serves generation for its client training ranks until "stop"."""
 
-    def __init__(self, engine, hybrid, groups, rank: int, partial_rollout: bool, log=print):
+    def __init__(self, engine, hybrid, groups, rank: int, partial_rollout: bool, log=print, engine_ranks: tuple[int, ...] | None = None):
+        """engine_ranks: the global ranks of this rank's engine instance (rollout.tp > 1: vLLM's TP
+        group, which runs in lockstep); the first one leads, the others follow it."""
         self.engine, self.hybrid, self.groups, self.rank, self.log = engine, hybrid, groups, rank, log
+        self.engine_ranks = tuple(engine_ranks or (rank,))
+        self.leader = self.engine_ranks[0]
         self.queue: queue.Queue = queue.Queue()
         self.cond = threading.Condition()
         self.staged: tuple[int, dict[str, torch.Tensor]] | None = None
+        # a follower loads exactly the version its leader loaded, so it keeps every version staged
+        # until then (a newer stream may land here before it lands on the leader)
+        self.pending: dict[int, dict[str, torch.Tensor]] = {}
         engine.version = -1  # no weights from the trainer yet: every request waits for the first stream
         self.staged_version = -1
-        self.sync_bytes = 0  # bytes of the last weight stream received by this rank
+        self.sync_bytes = 0  # bytes of the last weight stream received by this rank (chunks padded to 8 bytes)
+        self.sync_payload_bytes = 0  # the same without the padding: its rollout shard
         self.busy_s = 0.0
         self.started = time.perf_counter()
         self.error: BaseException | None = None
@@ -86,8 +94,13 @@ class RolloutServer:
                     version = message[1]
                     staged = {name: t.detach().clone() for name, t in self.hybrid.stream()}
                     self.sync_bytes = self.hybrid.last_stats.bytes_received
+                    self.sync_payload_bytes = self.hybrid.last_stats.payload_received
                     with self.cond:
-                        self.staged, self.staged_version = (version, staged), version
+                        if self.rank == self.leader:
+                            self.staged = (version, staged)
+                        else:
+                            self.pending[version] = staged
+                        self.staged_version = version
                         self.cond.notify_all()
                 elif kind == "generate":
                     self.queue.put(GenerateRequest(*message[1:]))
@@ -115,9 +128,45 @@ class RolloutServer:
             self.cond.wait_for(lambda: self.staged_version >= floor or self.error is not None)
         self.load_staged()
 
+    def _load_exact(self, version: int) -> None:
+        """A follower: the weights of `version` (what the leader generates with), older ones dropped."""
+        if self.engine.version == version:
+            return
+        with self.cond:
+            self.cond.wait_for(lambda: version in self.pending or self.error is not None)
+            tensors = self.pending.pop(version, None)
+            for v in [v for v in self.pending if v < version]:
+                del self.pending[v]
+        if tensors is not None:
+            self.engine.load_weights(tensors.items())
+            self.engine.version = version
+
+    def _follow(self) -> None:
+        """A follower's loop: the leader's requests, in its order, under its weights version; the
+        results stay here (the leader returns its own, the same: one engine)."""
+        while self.error is None:
+            item = recv_object(self.leader, self.groups.up)
+            if item is None:
+                break
+            version, requests, sampling = item
+            self._load_exact(version)
+            if self.error is not None:
+                break
+            heartbeat.enter("generate")
+            start = time.perf_counter()
+            self.engine.generate(requests, sampling)
+            self.busy_s += time.perf_counter() - start
+            heartbeat.enter("wait")
+
     def serve(self) -> None:
         receiver = threading.Thread(target=self._receive, name="megarl-rollout-recv", daemon=True)
         receiver.start()
+        if self.rank != self.leader:
+            self._follow()
+            receiver.join(timeout=5)
+            if self.error is not None:
+                raise RuntimeError(f"rollout rank {self.rank}: {self.error}") from self.error
+            return
         while True:
             heartbeat.enter("wait")
             item = self.queue.get()
@@ -126,42 +175,50 @@ class RolloutServer:
             self._wait_for(item.floor)
             if self.error is not None:
                 break
+            for follower in self.engine_ranks[1:]:  # the same call on every rank of the engine
+                send_object((self.engine.version, item.requests, item.sampling), follower, self.groups.up)
             heartbeat.enter("generate")
             start = time.perf_counter()
             results = self.engine.generate(item.requests, item.sampling) if item.requests else []
+            for res in results:  # an engine that loads weights between requests only: one version per request
+                if res.versions is None:
+                    res.versions = [self.engine.version] * len(res.response_token_ids)
             self.busy_s += time.perf_counter() - start
             info = {"sync_bytes": self.sync_bytes, "shard_bytes": self.hybrid.plan.needed_bytes[self.rank], "busy_s": self.busy_s, "wall_s": time.perf_counter() - self.started,
                     "rank": self.rank}
             send_object(("result", item.request_id, results, info), item.client, self.groups.up)
+        for follower in self.engine_ranks[1:]:
+            send_object(None, follower, self.groups.up)
         receiver.join(timeout=5)
         if self.error is not None:
             raise RuntimeError(f"rollout rank {self.rank}: {self.error}") from self.error
 
 
-def run_rollout_rank(cfg, groups, rank: int, log=print) -> int:
-    """A rollout rank's whole life: the shared reshard plan (waits for the training ranks, whose
-    rank 0 prepares the model directory first), the engine, serving until "stop"."""
+def make_server(cfg, groups, rank: int, log=print) -> RolloutServer:
+    """A rollout rank's engine (built with the other rollout ranks, megarl.async_rollout.engine_side)
+    and the shared reshard plan into the layout it loads (a collective with the training ranks)."""
+    from megarl.async_rollout.engine_side import build_engine
     from megarl.config.validation import layout_of
     from megarl.hybrid.engine import HybridEngine
-    from megarl.layout import RolloutLayout
-    from megarl.parallel import RolloutGroups
     from megarl.platform import current_platform
-    from megarl.rollout import build_rollout
 
     placement = groups.placement
-    r = cfg.rollout
-    hybrid = HybridEngine({}, train=layout_of(cfg.parallel, placement.train_size), rollout=RolloutLayout(tp=r.tp),
-                          bucket_bytes=r.bucket_bytes, separate=groups, device=current_platform().device)
-    mine = RolloutGroups(1, None, (rank,), 0, rank - placement.train_size)
-    dtype = getattr(torch, cfg.model.dtype)
-    setup = build_rollout(r.engine, cfg.model.path, mine, seed=cfg.trainer.seed, device=str(current_platform().device),
-                          dtype=dtype, memory_fraction=r.gpu_memory_utilization,
-                          max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens, train_tp=cfg.parallel.tp, log=None)
+    setup = build_engine(cfg, groups, rank)
+    hybrid = HybridEngine({}, train=layout_of(cfg.parallel, placement.train_size), rollout=setup.weight_layout,
+                          bucket_bytes=cfg.rollout.bucket_bytes, separate=groups, device=current_platform().device)
     hybrid.convert = setup.convert
-    server = RolloutServer(setup.engine, hybrid, groups, rank, cfg.async_.partial_rollout, log=log)
+    return RolloutServer(setup.engine, hybrid, groups, rank, cfg.async_.partial_rollout, log=log, engine_ranks=setup.groups.ranks)
+
+
+def run_rollout_rank(cfg, groups, rank: int, log=print) -> int:
+    """A rollout rank's whole life: its engine and the shared reshard plan (make_server: waits for
+    the training ranks, whose rank 0 prepares the model directory first), serving until "stop"."""
+    placement = groups.placement
+    server = make_server(cfg, groups, rank, log=log)
     beat = heartbeat.start_for_world(cfg.trainer.collective_timeout_s, rank, placement.world_size, separate=groups)
     try:
         server.serve()
     finally:
         beat.stop()
+        server.engine.close()
     return 0

@@ -5,20 +5,22 @@ from __future__ import annotations
 import torch
 
 from megarl.async_rollout.client import AsyncSchedule, RemoteRollout
+from megarl.async_rollout.engine_side import receive_layout
 from megarl.global_batch import LocalStats
 from megarl.hybrid.transfer import identity_convert
-from megarl.layout import RolloutLayout
 from megarl.parallel import RolloutGroups
 from megarl.rollout import RolloutSetup
 
 
 def remote_setup(cfg, separate, rank: int) -> RolloutSetup:
     """A RolloutSetup whose engine is this training rank's RemoteRollout: the weight stream leaves
-    in the engine's rollout layout (converted on the rollout rank), the dispatch group is the rank
-    alone (its model-parallel share goes to its own server)."""
-    return RolloutSetup(engine=RemoteRollout(separate, rank), weight_layout=RolloutLayout(tp=cfg.rollout.tp),
-                        groups=RolloutGroups(1, None, (rank,), 0, rank), convert=identity_convert, weight_path="separate",
-                        weight_path_reason=f"the last {cfg.rollout.num_ranks} ranks generate (rollout.placement=separate)")
+    in the layout the rollout engines load (they say which, megarl.async_rollout.engine_side;
+    converted on the rollout rank), the dispatch group is the rank alone (its model-parallel share
+    goes to its own server)."""
+    layout, path, reason = receive_layout(separate, rank)
+    return RolloutSetup(engine=RemoteRollout(separate, rank), weight_layout=layout,
+                        groups=RolloutGroups(1, None, (rank,), 0, rank), convert=identity_convert, weight_path=path,
+                        weight_path_reason=f"the last {cfg.rollout.num_ranks} ranks generate (rollout.placement=separate); {reason}")
 
 
 def take_step(schedule: AsyncSchedule, trainer, sampling) -> tuple[list, dict[str, float]]:

@@ -34,6 +34,7 @@ class SyncStats:
     peak_extra_bytes: int
     seconds: float
     cuda_peak_extra_bytes: int | None = None
+    payload_received: int = 0  # bytes_received less the alignment padding of its chunks
 
 
 def shard_metadata(local_shards: LocalShards) -> list[tuple]:
@@ -130,7 +131,8 @@ class HybridEngine:
         if cuda:
             torch.cuda.synchronize(self.device)
             cuda_peak = torch.cuda.max_memory_allocated(self.device) - base
-        self.last_stats = SyncStats(stats.bytes_received, stats.bytes_sent, stats.collectives, meter.peak, stats.seconds, cuda_peak)
+        self.last_stats = SyncStats(stats.bytes_received, stats.bytes_sent, stats.collectives, meter.peak, stats.seconds, cuda_peak,
+                                   stats.payload_received)
 
     def sync(self, engine, local_shards: LocalShards | None = None) -> SyncStats:
         """Load the current weights into `engine` and bring its KV cache back; returns the cost."""

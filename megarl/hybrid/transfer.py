@@ -33,10 +33,11 @@ def identity_convert(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.T
 
 @dataclass
 class TransferStats:
-    bytes_received: int = 0
+    bytes_received: int = 0  # on the wire: chunks padded to ALIGN
     bytes_sent: int = 0
     collectives: int = 0
     seconds: float = 0.0
+    payload_received: int = 0  # the chunks' own bytes in what was received (no padding)
 
 
 @dataclass
@@ -200,6 +201,7 @@ class PlanRunner:
             else:
                 _all_gather_single(seg, own, group=self.groups[op.group])
             stats.bytes_received += op.nbytes - own.numel()
+            stats.payload_received += sum(c.nbytes for c, _ in got)
             stats.bytes_sent += own.numel() * (len(op.group) - 1)
             return got
         if rank == op.src:
@@ -216,6 +218,7 @@ class PlanRunner:
         else:
             dist.recv(seg, src=op.src, group=self.p2p_group)
         stats.bytes_received += op.nbytes
+        stats.payload_received += sum(c.nbytes for c in op.chunks)
         got, off = [], 0
         for c in op.chunks:
             got.append((c, off))

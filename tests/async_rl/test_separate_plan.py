@@ -57,3 +57,13 @@ def test_assignment_refuses_rollout_ranks_among_the_trainers():
         separate_assignment(2, (1, 2), 1)
     with pytest.raises(ValueError, match="does not divide"):
         separate_assignment(2, (2, 3, 4), 2)
+
+
+def test_only_the_first_rank_of_a_rollout_engine_serves():
+    """rollout tp2: vLLM's TP ranks run in lockstep, so clients talk to each engine's first rank."""
+    from megarl.placement import Placement
+
+    two_engines = Placement(world_size=6, train_size=2, rollout_tp=2)  # engines on ranks 2-3 and 4-5
+    assert [two_engines.server_of(t) for t in (0, 1)] == [2, 4]
+    assert [two_engines.clients_of(r) for r in (2, 3, 4, 5)] == [(0,), (), (1,), ()]
+    assert [Placement(5, 2).server_of(t) for t in (0, 1)] == [2, 3]  # tp1: round-robin over all rollout ranks
