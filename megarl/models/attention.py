@@ -105,4 +105,6 @@ class SDPACoreAttention(MegatronModule):
         context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                  dropout_p=self.dropout if self.training else 0.0,
                                                  scale=self.softmax_scale, **gqa)
-        return context.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.v_channels)
+        # value's own head size: Megatron-Core 0.19's MLA pads V to the query's head size for packed
+        # (thd) input and trims the [tokens, heads * padded] output itself
+        return context.permute(2, 0, 1, 3).reshape(sq, b, self.heads * v.shape[-1])

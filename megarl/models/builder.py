@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from megarl.layout import ModelShape, check_model
 from megarl.models.families import ModelSpec
 from megarl.models.moe_routing import RouterOptions, router_config, use_hf_group_limited_topk
-from megarl.models.sequence_parallel import SequenceParallelNorm, local_norms
+from megarl.models.sequence_parallel import SequenceParallelNorm, local_norms, mla_sequence_sharded_kv
 from megarl.parallel import ParallelDims
 from megarl.platform import current_platform
 
@@ -281,6 +281,7 @@ def build_gpt_model(spec: ModelSpec, dims: ParallelDims, config=None, dtype: tor
     last_chunk = vp_stage is None or vp_stage == dims.chunks_per_stage - 1
     with _mla_latent_norms_at_build(config):
         model = _gpt_model(GPTModel, spec, dims, config, vp_stage, value_head, first_chunk, last_chunk)
+    mla_sequence_sharded_kv(model, config)  # the RoPE key's gradient summed over TP under SP
     return model.to(current_platform().device)
 
 

@@ -285,7 +285,9 @@ def attach(chunk: torch.nn.Module, spec, options: LoraOptions, layer_offset: int
         out_sizes, in_size = _sizes(module, names, spec, kind, tp_size)
         glob = global_name(name + ".weight", layer_offset, expert_offset)[: -len(".weight")]
         module.lora = LoraAdapter(module, names, fused, targets, out_sizes, in_size, options, glob, spec.head_dim)
-        module.register_forward_hook(_hook)
+        # prepend: before megarl.models.sequence_parallel's relayout of MLA's kv down projection,
+        # so the delta is added to the column-parallel output it is computed for
+        module.register_forward_hook(_hook, prepend=True)
         count += 1
     return count
 

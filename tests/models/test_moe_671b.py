@@ -85,7 +85,9 @@ def test_mla_latent_norm_grads_need_no_tp_reduction(tiny_moe_671b_models, tmp_pa
     """At tp2 each rank's q/kv latent-norm gradient already equals tp1's; finalize_model_grads sums
     `q_layernorm` grads over TP when config.qk_layernorm is set, so the built model must leave it
     off (builder._mla_latent_norms_at_build; Megatron-Core 0.19 needs it on while building). At
-    tp2 with sequence parallelism the grads are per-rank shares, tagged, and their TP sum is tp1's."""
+    tp2 with sequence parallelism the grads are per-rank shares, tagged, and their TP sum is tp1's.
+    Then one actor train step at tp2 with sequence parallelism equals one process's, the RoPE key rows
+    of kv_a_proj_with_mqa included (their gradient summed over TP: mla_sequence_sharded_kv)."""
     out = tmp_path / "grads.json"
     torchrun(2, ["tests/models/mla_grad_worker.py", "--model", str(tiny_moe_671b_models["deepseek_v3"]), "--out", str(out)])
     result = json.loads(out.read_text())
@@ -95,3 +97,7 @@ def test_mla_latent_norm_grads_need_no_tp_reduction(tiny_moe_671b_models, tmp_pa
     assert result["max_rel_diff"] < 1e-5, result  # summing over the two TP ranks would make it 1
     # with sequence parallelism each rank holds its tokens' share, summed over TP by the tag (once)
     assert result["sp_tagged"] is True and result["sp_max_rel_diff"] < 1e-5, result
+    updated = result["update"]
+    assert updated["kv_a"] == 4 and len(updated["grad_norms"][0]) == 1, updated  # every layer, one optimizer step
+    assert updated["grad_norm_rel"] < 1e-5, updated  # 2e-3 with the RoPE key's gradient not summed over TP
+    assert updated["weights_rel"] < 1e-5 and updated["rope_key_rel"] < 1e-5, updated

@@ -83,3 +83,30 @@ def test_padded_width_divides_by_tp_under_sequence_parallelism():
     assert plan_padded([9, 7, 5], budget=20, agree_max=alone, multiple=4).width == 12
     assert sequence_multiple(SimpleNamespace(tp=4, sequence_parallel=True)) == 4
     assert sequence_multiple(SimpleNamespace(tp=4, sequence_parallel=False)) == 1
+
+
+def test_mla_kv_down_projection_is_hooked_only_where_its_rope_key_gradient_needs_the_tp_sum():
+    # The multi-process check (the gradients of one train step at tp2 with SP against one process)
+    # is tests/models/test_moe_671b.py::test_mla_latent_norm_grads_need_no_tp_reduction.
+    from megarl.models.sequence_parallel import mla_sequence_sharded_kv
+
+    def model(rows: int):
+        attention = torch.nn.Module()
+        attention.linear_kv_down_proj = torch.nn.Linear(6, rows, bias=False)  # weight [rows, 6]
+        layer = torch.nn.Module()
+        layer.self_attention = attention
+        return torch.nn.ModuleDict({"layer": layer})
+
+    def config(sp=True, tp=2, mla=True):
+        return SimpleNamespace(multi_latent_attention=mla, sequence_parallel=sp, tensor_model_parallel_size=tp,
+                               kv_lora_rank=8, qk_pos_emb_head_dim=4)
+
+    assert mla_sequence_sharded_kv(model(6), config(sp=False)) == 0
+    assert mla_sequence_sharded_kv(model(6), config(tp=1)) == 0
+    assert mla_sequence_sharded_kv(model(6), config(mla=False)) == 0
+    assert mla_sequence_sharded_kv(model(12), config()) == 0  # a whole (duplicated) projection sums already
+    hooked = model(6)  # the column shard: (8 + 4) / 2 rows
+    assert mla_sequence_sharded_kv(hooked, config()) == 1
+    with pytest.raises(RuntimeError, match="output width 12, expected the column shard's 6"):
+        hooked["layer"].self_attention.linear_kv_down_proj._forward_hooks.popitem()[1](
+            hooked["layer"].self_attention.linear_kv_down_proj, (None,), (torch.zeros(3, 1, 12), None))
