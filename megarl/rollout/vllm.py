@@ -75,6 +75,8 @@ class VLLMConfig:
         keeps its weights and KV cache between steps).
     dtype: "float32", "bfloat16", "float16" (the trainer passes its parameter dtype) or "auto".
     env: VLLM_* variables, set before LLM is constructed (vLLM caches env reads after startup).
+    lora_rank: > 0 starts vLLM with LoRA on, for adapter-only sync of the actor's adapters of this
+        rank (`load_adapter`, megarl.rollout.vllm_lora); 0: no LoRA support.
     """
 
     hf_dir: str
@@ -89,6 +91,7 @@ class VLLMConfig:
     enable_sleep_mode: bool | None = None
     env: dict[str, str] = field(default_factory=dict)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    lora_rank: int = 0
 
     def __post_init__(self):
         if self.tensor_parallel_size < 1:
@@ -135,6 +138,10 @@ def engine_kwargs(config: VLLMConfig, group_index: int, sleep_mode: bool = True,
         kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes
     if config.max_model_len is not None:
         kwargs["max_model_len"] = config.max_model_len
+    if config.lora_rank:
+        from megarl.rollout.vllm_lora import lora_engine_kwargs
+
+        kwargs.update(lora_engine_kwargs(config.lora_rank))
     kwargs.update(config.engine_kwargs)
     return kwargs
 
@@ -270,6 +277,13 @@ class VLLMRolloutEngine:
         self._weights_valid = False
         self._tied = ties_embeddings(config.hf_dir)
         self.weight_format = "hf"  # full HF tensors into reload_weights; "direct": see use_direct_weights
+        self.adapter = None  # the actor's LoRA, under config.lora_rank (load_adapter)
+        if config.lora_rank:
+            import importlib
+
+            from megarl.rollout.vllm_lora import AdapterSlot
+
+            self.adapter = AdapterSlot(self.llm, importlib.import_module(vllm.__name__ + ".lora.request").LoRARequest)
         # created after vLLM's own exit hook, so it runs first at exit (finalizers run newest first)
         self._finalizer = weakref.finalize(self, _shutdown_keeping_default_group, self.llm.llm_engine.engine_core)
 
@@ -312,6 +326,14 @@ class VLLMRolloutEngine:
         self.llm.reset_prefix_cache()  # the prefix cache holds KV computed with the old weights
         self._weights_valid = True
 
+    def load_adapter(self, tensors: dict[str, torch.Tensor], peft_config: dict) -> int:
+        """Adapter-only sync: PEFT-named LoRA tensors (the whole adapter, the same on every rank of
+        the group; vLLM shards it itself) replace the running adapter; every later generate applies
+        it to the base weights `load_weights` gave. Returns the bytes sent (megarl.rollout.vllm_lora)."""
+        if self.adapter is None:
+            raise RuntimeError("load_adapter needs an engine built with VLLMConfig.lora_rank > 0 (vLLM's enable_lora)")
+        return self.adapter.load(tensors, peft_config)
+
     def resume_memory(self) -> None:
         if self._kv_awake:
             return
@@ -337,7 +359,8 @@ class VLLMRolloutEngine:
         tags = [f"{id(self)}-{self._generate_calls}-{i}" if tag else None for i in range(len(specs))]
         params = [to_vllm_sampling(vllm, sampling, s.seed, tag) for s, tag in zip(specs, tags)]
         try:
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            lora = self.adapter.request if self.adapter is not None else None
+            outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
         finally:
             records = _pop_records(tags)
         if len(outputs) != len(specs):
@@ -372,6 +395,8 @@ class VLLMRolloutEngine:
         """
         if self.llm is None:
             return
+        if self.adapter is not None:
+            self.adapter.close()
         self._finalizer()
         self.llm = None
 
