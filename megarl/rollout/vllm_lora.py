@@ -72,6 +72,24 @@ class AdapterSlot:
         self.request = None
         self.last_bytes = 0
 
+    @classmethod
+    def for_llm(cls, llm, vllm) -> "AdapterSlot":
+        """The slot of an LLM built with lora_engine_kwargs (`vllm`: the imported module)."""
+        import importlib
+
+        return cls(llm, importlib.import_module(vllm.__name__ + ".lora.request").LoRARequest)
+
+    @staticmethod
+    def required(slot: "AdapterSlot | None") -> "AdapterSlot":
+        if slot is None:
+            raise RuntimeError("load_adapter needs an engine built with VLLMConfig.lora_rank > 0 (vLLM's enable_lora)")
+        return slot
+
+    @staticmethod
+    def request_of(slot: "AdapterSlot | None"):
+        """generate's lora_request: the current adapter, or None (the base model)."""
+        return slot.request if slot is not None else None
+
     def load(self, tensors: dict[str, torch.Tensor], config: dict) -> int:
         """Write, register and activate the adapter; returns the bytes sent (the adapter's)."""
         if not tensors:
