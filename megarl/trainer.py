@@ -48,10 +48,10 @@ from megarl.global_batch import GlobalBatch, LocalStats
 from megarl.guards import Guards
 from megarl.hybrid.dispatch import DispatchGroups, _all_gather_object, generate_for_training
 from megarl.hybrid.engine import HybridEngine, release_cached_device_memory
-from megarl.models.lora_sync import AdapterSync
 from megarl.hybrid.verify import WeightSyncMismatch, mismatch_message, sync_limits, sync_problem, sync_stats, token_prob_diff
 from megarl.models import moe_routing
 from megarl.models.lora import LoraOptions
+from megarl.models.lora_sync import AdapterSync
 from megarl.models.moe_routing import RouterOptions
 from megarl.parallel import ParallelDims, all_reduce_host
 from megarl.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch
