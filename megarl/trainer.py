@@ -401,6 +401,7 @@ class Trainer:
         metrics.update(sync_check.metrics)
         metrics.update(corr_metrics)
         metrics["training/hybrid_sync_direct"] = float(self.weight_path == "direct")  # 1: shards into vLLM's parameters
+        metrics["training/hybrid_sync_adapter"] = float(self.weight_path == "adapter")  # 1: only the LoRA adapters go
         metrics.update(filtered.metrics if filtered else {})
         metrics.update(async_metrics)
         metrics.update(episodes)

@@ -130,6 +130,7 @@ def test_the_trainer_sends_only_the_adapters_and_vllm_runs_the_trained_actor(tmp
     assert "adapter path" in proc.stdout + proc.stderr
     steps = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "event" not in r]
     assert len(steps) == 2 and steps[0]["actor/grad_norm"] > 0  # step 2 runs trained adapters
+    assert [s["training/hybrid_sync_adapter"] for s in steps] == [1.0, 1.0]
     # rank 4 on the hidden-128 llama: 2 layers x 4 x 2048 (in + out over the 7 projections) floats
     assert [s["training/hybrid_sync_bytes"] for s in steps] == [2 * 4 * 2048 * 4] * 2
     assert all(s["training/sync_logprob_diff_mean"] < 1e-5 for s in steps)  # float32 noise, measured ~1e-7
