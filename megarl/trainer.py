@@ -51,6 +51,7 @@ from megarl.hybrid.engine import HybridEngine, release_cached_device_memory
 from megarl.hybrid.verify import WeightSyncMismatch, mismatch_message, sync_limits, sync_problem, sync_stats, token_prob_diff
 from megarl.models import moe_routing
 from megarl.models.lora import LoraOptions
+from megarl.models.lora_sync import AdapterSync
 from megarl.models.moe_routing import RouterOptions
 from megarl.parallel import ParallelDims, all_reduce_host
 from megarl.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch
@@ -182,13 +183,16 @@ class Trainer:
             setup = build_rollout(r.engine, cfg.model.path, dims.rollout_groups(r.tp), seed=t.seed, device=str(self.actor.device),
                                   dtype=self.actor.params_dtype, memory_fraction=r.gpu_memory_utilization,
                                   max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens, train_tp=dims.tp,
-                                  log=log if dims.rank == 0 else None)
+                                  log=log if dims.rank == 0 else None, lora_rank=cfg.actor.lora.rank,
+                                  lora_targets=cfg.actor.lora.target_modules)
         else:  # the engine runs on the rollout ranks: this rank's handle on its server
             setup = remote_setup(cfg, separate, dims.rank)
         # rollout.multi_turn.environment: the engine runs one environment episode per sample
         self.rollout = with_environment(setup.engine, r, self.tokenizer, log=log if dims.rank == 0 else None)
         self._setup_moe_routing(cfg)
-        self.weight_path = setup.weight_path  # "direct" or "full" (megarl.rollout.RolloutSetup)
+        self.weight_path = setup.weight_path  # "adapter", "direct" or "full" (megarl.rollout.RolloutSetup)
+        # actor.lora into vLLM: the base once, then only the adapters (megarl.models.lora_sync)
+        self.adapter_sync = AdapterSync(self.actor, self.actor.lora, cfg.model.path) if self.weight_path == "adapter" else None
         self.hybrid = HybridEngine(self._actor_shards(), train=dims.layout,
                                    rollout=setup.weight_layout, bucket_bytes=r.bucket_bytes, convert=setup.convert, separate=separate)
         groups = setup.groups
@@ -299,7 +303,7 @@ class Trainer:
         with clock("timing_s/sync"):
             if self.schedule is not None:
                 self.rollout.pushing = self.step - 1  # the policy version these weights are (megarl.async_rollout)
-            sync = self.hybrid.hand_over(self.rollout, self._offload_all, self._actor_shards())
+            sync = self._hand_over()
 
         # 2. Generate samples_per_prompt responses to this rank's prompts (with DAPO's dynamic
         # sampling: rounds of prompts until prompts_per_step groups have a score spread, scored).
@@ -397,6 +401,7 @@ class Trainer:
         metrics.update(sync_check.metrics)
         metrics.update(corr_metrics)
         metrics["training/hybrid_sync_direct"] = float(self.weight_path == "direct")  # 1: shards into vLLM's parameters
+        metrics["training/hybrid_sync_adapter"] = float(self.weight_path == "adapter")  # 1: only the LoRA adapters go
         metrics.update(filtered.metrics if filtered else {})
         metrics.update(async_metrics)
         metrics.update(episodes)
@@ -404,7 +409,7 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         """Greedy responses to the next prompts_per_step validation prompts, scored: val/score/mean."""
-        self.hybrid.hand_over(self.rollout, self._offload_all, self._actor_shards())  # the weights after this step's update
+        self._hand_over()  # the weights after this step's update
         samples = self._generate(self.val_data.next_step(), self._greedy)
         self.rollout.release_memory()
         return {"val/score/mean": self.global_batch.mean(torch.tensor(self._score(samples), dtype=torch.float64))}
@@ -460,6 +465,12 @@ class Trainer:
         return replace(self.sampling, n=1, temperature=0.0)
 
     # --- phases ---------------------------------------------------------------------------------
+    def _hand_over(self):
+        """The actor's weights into the rollout engine (adapters only where megarl.models.lora_sync applies)."""
+        if self.adapter_sync is not None:
+            return self.adapter_sync.hand_over(self.hybrid, self.rollout, self._offload_all)
+        return self.hybrid.hand_over(self.rollout, self._offload_all, self._actor_shards())
+
     def _actor_shards(self):
         """The actor's weights for the rollout engine. With tied embeddings under pp > 1 the last
         stage holds a copy of the embedding as its output layer: the engine needs it once."""

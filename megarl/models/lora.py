@@ -412,40 +412,55 @@ def full_adapters(chunks, spec, dims) -> dict[str, tuple[torch.Tensor, torch.Ten
     return out
 
 
+def peft_config(options: LoraOptions, modules, base_model: str) -> dict:
+    """PEFT's adapter_config.json for adapters on `modules` (full HF module names, not projection
+    names: PEFT turns bare MoE names (gate_proj, ...) into targets on transformers' fused experts
+    and then skips the dense and shared-expert MLPs)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model),
+            "r": options.rank, "lora_alpha": options.alpha, "lora_dropout": options.dropout,
+            "target_modules": sorted(modules), "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+            "init_lora_weights": True, "inference_mode": True, "modules_to_save": None}
+
+
+def peft_tensors(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """`full_adapters`' factors under PEFT's names (base_model.model.<module>.lora_A.weight, never
+    Megatron's fused or `.base_layer` names): what the PEFT export writes and the adapter-only
+    sync sends to vLLM."""
+    state = {}
+    for name, (a, b) in adapters.items():
+        state[f"base_model.model.{name}.lora_A.weight"] = a.contiguous()
+        state[f"base_model.model.{name}.lora_B.weight"] = b.contiguous()
+    return state
+
+
+def moe_mlp_adapters(adapters, spec) -> list[str]:
+    """MLP adapters of a MoE model: no PEFT layout for them (peft 0.21 with transformers 5 maps
+    every gate_proj / up_proj / down_proj target of a MoE model onto transformers' fused expert
+    tensors, so dense, shared-expert and routed-expert MLP adapters alike would be dropped or
+    misplaced on load), hence neither a PEFT export nor an adapter-only sync."""
+    return [n for n in adapters if spec.is_moe and ".mlp." in n]
+
+
 def save_peft_adapter(chunks, spec, dims, options: LoraOptions, out_dir, base_model: str) -> dict[str, int]:
     """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) that
     `peft.PeftModel.from_pretrained(<base HF model>, out_dir)` loads: the names are the HF modules'
     (`base_model.model.<module>.lora_A.weight`), never Megatron's fused ones. Collective; rank 0 writes.
-    MLP adapters of MoE models are refused: peft maps those names onto transformers' fused 3-D expert
-    tensors (export the merged model instead)."""
+    MLP adapters of MoE models are refused (moe_mlp_adapters; export the merged model instead)."""
     import json
     from pathlib import Path
 
     from safetensors.torch import save_file
 
     tensors = full_adapters(chunks, spec, dims)
-    mlp = [n for n in tensors if spec.is_moe and ".mlp." in n]
+    mlp = moe_mlp_adapters(tensors, spec)
     if mlp:
-        # peft (0.21, transformers 5) maps every gate_proj / up_proj / down_proj target of a MoE model
-        # onto transformers' fused expert tensors: dense, shared-expert and routed-expert MLP adapters
-        # alike would be dropped or misplaced on load.
         raise ValueError(f"--adapter-only: MLP adapters of a MoE model ({mlp[0]}, ...) have no PEFT layout (peft maps them "
                          f"onto transformers' fused experts); export the merged model (the default) or target attention only")
     if dims.rank == 0:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        state = {}
-        for name, (a, b) in tensors.items():
-            state[f"base_model.model.{name}.lora_A.weight"] = a.contiguous()
-            state[f"base_model.model.{name}.lora_B.weight"] = b.contiguous()
-        save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-        # Full module names, not projection names: PEFT turns bare MoE names (gate_proj, ...) into
-        # targets on transformers' fused experts and then skips the dense and shared-expert MLPs.
-        targets = sorted(tensors)
-        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model),
-                  "r": options.rank, "lora_alpha": options.alpha, "lora_dropout": options.dropout,
-                  "target_modules": targets, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
-                  "init_lora_weights": True, "inference_mode": True, "modules_to_save": None}
+        save_file(peft_tensors(tensors), str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config = peft_config(options, tensors, base_model)
         (out / "adapter_config.json").write_text(json.dumps(config, indent=1) + "\n")
     if dist.is_initialized():
         dist.barrier()

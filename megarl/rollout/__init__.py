@@ -61,7 +61,8 @@ class RolloutSetup:
 
     engine: the RolloutEngine. weight_layout: the layout of the tensors its `load_weights`
     accepts, for the HybridEngine, and convert: canonical Megatron name + tensor of that layout ->
-    what `load_weights` takes. weight_path: "direct" (vLLM, dense families: each rank receives
+    what `load_weights` takes. weight_path: "adapter" (actor.lora into vLLM: the base once, then
+    only the adapters, megarl.models.lora_sync), "direct" (vLLM, dense families: each rank receives
     exactly its rollout shard, written into vLLM's own sharded parameters,
     megarl.rollout.vllm_direct) or "full" (full HF tensors on every rank, sliced by the engine:
     the hf engine, SGLang, vLLM for MoE and anything the direct path does not cover);
@@ -82,7 +83,8 @@ WEIGHT_SYNC_MODES = ("auto", "direct", "full")
 
 def build_rollout(name: str, hf_dir: str, groups, *, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
                   memory_fraction: float | None = None, max_model_len: int | None = None, train_tp: int = 1,
-                  weight_sync: str = "auto", log: Callable[[str], None] | None = print) -> RolloutSetup:
+                  weight_sync: str = "auto", log: Callable[[str], None] | None = print, lora_rank: int = 0,
+                  lora_targets=None) -> RolloutSetup:
     """The engine for rollout groups `groups` (ParallelDims.rollout_groups(tp)) and its weight layout.
 
     memory_fraction: the accelerator memory the engine may take (vLLM gpu_memory_utilization,
@@ -91,6 +93,9 @@ def build_rollout(name: str, hf_dir: str, groups, *, seed: int = 0, device: str 
     parallelism (its padded vocabulary). weight_sync: "auto" takes the direct path wherever it
     applies, "full" always sends full HF tensors, "direct" refuses to fall back. Collective over the
     default group (vLLM: the engine and the path decision). log: rank 0 says which path runs.
+    lora_rank, lora_targets: the actor's adapters (actor.lora); where the engine takes them as a
+    LoRA (vLLM, megarl.models.lora_sync) the path is "adapter": the base weights once as full HF
+    tensors, then only the adapters; elsewhere the merged weights go the usual way.
     """
     import torch.distributed as dist
 
@@ -100,6 +105,15 @@ def build_rollout(name: str, hf_dir: str, groups, *, seed: int = 0, device: str 
         raise ValueError(f"weight_sync must be one of {WEIGHT_SYNC_MODES}, got {weight_sync!r}")
     cpu = torch.device(device).type == "cpu"
     options: dict = {}
+    no_adapter_path = "actor.lora is off"
+    if lora_rank > 0:
+        from megarl.models.families import load_spec
+        from megarl.models.lora_sync import adapter_sync_reason
+
+        no_adapter_path = ("weight_sync='full' asked for full (merged) weights" if weight_sync == "full"
+                           else adapter_sync_reason(name, lora_rank, lora_targets, load_spec(hf_dir).is_moe))
+        if no_adapter_path is None:
+            options["lora_rank"] = lora_rank
     if name == "vllm":
         options["max_model_len"] = max_model_len
         if cpu:
@@ -113,7 +127,11 @@ def build_rollout(name: str, hf_dir: str, groups, *, seed: int = 0, device: str 
     setup = RolloutSetup(engine=engine, weight_layout=RolloutLayout(tp=1), groups=groups,
                          convert=_full_hf_converter(hf_dir, train_tp),
                          weight_path_reason=f"rollout.engine={name} loads full HF tensors")
-    if name == "vllm" and weight_sync != "full":
+    if no_adapter_path is None:
+        setup.weight_path = "adapter"
+        setup.weight_path_reason = (f"the base weights once as full HF tensors, then only the actor's rank-{lora_rank} "
+                                    "adapters, which vLLM applies as a LoRA")
+    elif name == "vllm" and weight_sync != "full":
         from megarl.models.families import load_spec
         from megarl.rollout.vllm_direct import choose
 
@@ -129,6 +147,8 @@ def build_rollout(name: str, hf_dir: str, groups, *, seed: int = 0, device: str 
                                         f"sharded parameters")
     elif name == "vllm":
         setup.weight_path_reason = "weight_sync='full' asked for full HF tensors"
+    if lora_rank > 0 and no_adapter_path is not None:
+        setup.weight_path_reason += f"; merged LoRA weights, not adapter-only: {no_adapter_path}"
     if log is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         log(f"megarl: weight sync into rollout.engine={name}: {setup.weight_path} path ({setup.weight_path_reason})")
     return setup

