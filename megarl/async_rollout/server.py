@@ -53,13 +53,17 @@ class GenerateRequest:
     requests: list[RolloutRequest]
     sampling: SamplingParams
     floor: int
+    rows: dict | None = None  # rollout.multi_turn: {prompt index: row}, the episodes' resets
 
 
 class RolloutServer:
     """Serves generation for its client training ranks until "stop"."""
 
-    def __init__(self, engine, hybrid, groups, rank: int, partial_rollout: bool, log=print):
+    def __init__(self, engine, hybrid, groups, rank: int, partial_rollout: bool, log=print, episodes=None):
+        """episodes: rollout.multi_turn's MultiTurnRollout over `engine` (None without), which runs
+        the requests that carry prompt rows; weights and versions stay with `engine`."""
         self.engine, self.hybrid, self.groups, self.rank, self.log = engine, hybrid, groups, rank, log
+        self.episodes = episodes
         self.queue: queue.Queue = queue.Queue()
         self.cond = threading.Condition()
         self.staged: tuple[int, dict[str, torch.Tensor]] | None = None
@@ -128,7 +132,10 @@ class RolloutServer:
                 break
             heartbeat.enter("generate")
             start = time.perf_counter()
-            results = self.engine.generate(item.requests, item.sampling) if item.requests else []
+            engine = self.engine
+            if item.rows is not None and self.episodes is not None:
+                engine, self.episodes.rows = self.episodes, item.rows
+            results = engine.generate(item.requests, item.sampling) if item.requests else []
             self.busy_s += time.perf_counter() - start
             info = {"sync_bytes": self.sync_bytes, "shard_bytes": self.hybrid.plan.needed_bytes[self.rank], "busy_s": self.busy_s, "wall_s": time.perf_counter() - self.started,
                     "rank": self.rank}
@@ -158,7 +165,14 @@ def run_rollout_rank(cfg, groups, rank: int, log=print) -> int:
                           dtype=dtype, memory_fraction=r.gpu_memory_utilization,
                           max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens, train_tp=cfg.parallel.tp, log=None)
     hybrid.convert = setup.convert
-    server = RolloutServer(setup.engine, hybrid, groups, rank, cfg.async_.partial_rollout, log=log)
+    episodes = None
+    if r.multi_turn.environment is not None:  # the episodes run here, beside the engine (megarl.rollout.multi_turn)
+        from megarl.data.tokenizer import load_tokenizer
+        from megarl.rollout.multi_turn import with_environment
+
+        episodes = with_environment(setup.engine, r, load_tokenizer(cfg.model.path),
+                                    log=log if rank == placement.train_size else None)
+    server = RolloutServer(setup.engine, hybrid, groups, rank, cfg.async_.partial_rollout, log=log, episodes=episodes)
     beat = heartbeat.start_for_world(cfg.trainer.collective_timeout_s, rank, placement.world_size, separate=groups)
     try:
         server.serve()
