@@ -38,10 +38,13 @@ def test_every_trained_group_has_a_score_spread(filtered_single):
 
 
 @pytest.mark.multiprocess
-def test_dp2_trains_what_one_process_trains(filtered_single):
+@pytest.mark.parametrize("layout", [{}, {"rollout.placement": "separate", "rollout.num_ranks": 1}], ids=["dp2", "separate"])
+def test_dp2_trains_what_one_process_trains(filtered_single, layout):
+    """dp2, and 1 training + 1 rollout rank (the rounds generated on the rollout rank, at K = 0)."""
     root = filtered_single
-    launch_ok(2, small_run_overrides(root, root / "dp2", **SHAPED))
-    single, dp2 = read_metrics(root / "single"), read_metrics(root / "dp2")
+    name = "separate" if layout else "dp2"
+    launch_ok(2, small_run_overrides(root, root / name, **SHAPED, **layout))
+    single, dp2 = read_metrics(root / "single"), read_metrics(root / name)
     compared = tuple(k for k in COMPARED if k in single[0])  # GRPO: no critic
     assert len(single) == len(dp2) == 2
     _assert_close(single, dp2, rel=1e-3, keys=compared + FILTER_METRICS)
