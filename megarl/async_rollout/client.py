@@ -114,7 +114,9 @@ class AsyncSchedule:
         d = self.dispatch
         lo, hi = share_bounds(len(prompts), d.mp_size, d.mp_rank)
         requests = [RolloutRequest(tuple(p.prompt_ids), prompt_index=p.global_index, step=step) for p in prompts[lo:hi]]
-        return self.remote.submit(requests, sampling, floor, env_rows(prompts[lo:hi]) if self.remote.multi_turn else None)
+        if getattr(self.remote, "multi_turn", False):  # the rollout rank runs episodes: their prompts' rows too
+            return self.remote.submit(requests, sampling, floor, env_rows(prompts[lo:hi]))
+        return self.remote.submit(requests, sampling, floor)
 
     def _collect(self, request_id: int) -> list[RolloutResult]:
         d = self.dispatch
