@@ -38,9 +38,15 @@ def check_placement(cfg: Config) -> None:
     if r.num_ranks % r.tp:
         raise ConfigError(f"rollout.num_ranks = {r.num_ranks} is not divisible by rollout.tp = {r.tp}")
     alg = cfg.algorithm
-    if alg.filter_groups.enable or alg.adv_estimator == "remax":
-        raise ConfigError("rollout.placement=separate does not run algorithm.filter_groups.enable or adv_estimator=remax yet "
-                          "(both generate more than once per step): use rollout.placement=colocated")
+    if alg.adv_estimator == "remax":
+        raise ConfigError("rollout.placement=separate does not run adv_estimator=remax yet (its greedy baseline is a second "
+                          "generation per step): use rollout.placement=colocated")
+    if alg.filter_groups.enable and a.max_staleness:
+        # dynamic sampling's rounds are generated on demand with the current weights; requests drawn
+        # ahead would interleave with them in the data order (a resume would then train prompts twice)
+        raise ConfigError("algorithm.filter_groups.enable generates its rounds with the current weights, not "
+                          f"async.max_staleness = {a.max_staleness} steps ahead: set async.max_staleness=0 or "
+                          "algorithm.filter_groups.enable=false")
     if a.partial_rollout and not a.max_staleness:
         raise ConfigError("async.partial_rollout continues requests under newer weights, which async.max_staleness=0 never "
                           "sends mid-generation: set async.max_staleness >= 1 or async.partial_rollout=false")

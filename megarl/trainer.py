@@ -311,7 +311,7 @@ class Trainer:
         # generated before release_memory(): vLLM (sleep level 2) and SGLang drop the weights there.
         with clock("timing_s/gen"):
             filtered = self._generate_filtered() if alg.filter_groups.enable else None
-            if self.schedule is not None:  # separate placement: samples of this step, generated up to K steps ago
+            if self.schedule is not None and filtered is None:  # separate placement: samples of this step, generated up to K steps ago
                 samples, async_metrics = take_step(self.schedule, self, self.sampling)
             else:
                 samples = filtered.samples if filtered else self._generate(self.data.next_step(), self.sampling)

@@ -16,6 +16,7 @@ from megarl.async_rollout.server import recv_object, send_object
 from megarl.async_rollout.staleness import StalenessStats, split_fresh, trained_version
 from megarl.hybrid.dispatch import _all_gather_object, share_bounds
 from megarl.rollout.base import RolloutRequest, RolloutResult, SamplingParams
+from megarl.rollout.multi_turn import env_rows
 
 
 class RemoteRollout:
@@ -33,6 +34,12 @@ class RemoteRollout:
         self._results: dict[int, list[RolloutResult]] = {}
         self.server_info: dict = {}  # the server's last report: sync bytes, busy and wall seconds
         self.wait_s = 0.0  # time this rank spent waiting for results
+        # rollout.multi_turn (set by megarl.rollout.multi_turn.with_environment): the server runs the
+        # episodes, so each request goes with its prompt's row (what Environment.reset reads)
+        self.multi_turn, self.chat = False, None
+        self.rows: dict[int, dict] = {}  # global prompt index -> row, set before generate (as MultiTurnRollout.rows)
+
+    remote_episodes = True  # with_environment: episodes run on the rollout rank, not around this handle
 
     # --- the RolloutEngine calls HybridEngine.hand_over makes -------------------------------------
     def load_weights(self, stream) -> None:
@@ -50,9 +57,15 @@ class RemoteRollout:
         pass
 
     # --- prompts and results ----------------------------------------------------------------------
-    def submit(self, requests: list[RolloutRequest], sampling: SamplingParams, floor: int) -> int:
+    def submit(self, requests: list[RolloutRequest], sampling: SamplingParams, floor: int, rows: dict | None = None) -> int:
+        """rows: {prompt index: row} of the requests' prompts (multi-turn; default: self.rows)."""
         request_id, self._next_id = self._next_id, self._next_id + 1
-        send_object(("generate", self.rank, request_id, list(requests), sampling, floor), self.server, self.groups.ctrl)
+        if self.multi_turn:
+            rows = rows if rows is not None else self.rows
+            rows = {r.prompt_index: rows[r.prompt_index] for r in requests}
+        else:
+            rows = None
+        send_object(("generate", self.rank, request_id, list(requests), sampling, floor, rows), self.server, self.groups.ctrl)
         return request_id
 
     def collect(self, request_id: int) -> list[RolloutResult]:
@@ -101,6 +114,8 @@ class AsyncSchedule:
         d = self.dispatch
         lo, hi = share_bounds(len(prompts), d.mp_size, d.mp_rank)
         requests = [RolloutRequest(tuple(p.prompt_ids), prompt_index=p.global_index, step=step) for p in prompts[lo:hi]]
+        if getattr(self.remote, "multi_turn", False):  # the rollout rank runs episodes: their prompts' rows too
+            return self.remote.submit(requests, sampling, floor, env_rows(prompts[lo:hi]))
         return self.remote.submit(requests, sampling, floor)
 
     def _collect(self, request_id: int) -> list[RolloutResult]:

@@ -53,17 +53,22 @@ class GenerateRequest:
     requests: list[RolloutRequest]
     sampling: SamplingParams
     floor: int
+    rows: dict | None = None  # rollout.multi_turn: {prompt index: row}, the episodes' resets
 
 
 class RolloutServer:
     """Serves generation for its client training ranks until "stop"."""
 
-    def __init__(self, engine, hybrid, groups, rank: int, partial_rollout: bool, log=print, engine_ranks: tuple[int, ...] | None = None):
+    def __init__(self, engine, hybrid, groups, rank: int, partial_rollout: bool, log=print,
+                 engine_ranks: tuple[int, ...] | None = None, episodes=None):
         """engine_ranks: the global ranks of this rank's engine instance (rollout.tp > 1: vLLM's TP
-        group, which runs in lockstep); the first one leads, the others follow it."""
+        group, which runs in lockstep); the first one leads, the others follow it.
+        episodes: rollout.multi_turn's MultiTurnRollout over `engine` (None without), which runs
+        the requests that carry prompt rows; weights and versions stay with `engine`."""
         self.engine, self.hybrid, self.groups, self.rank, self.log = engine, hybrid, groups, rank, log
         self.engine_ranks = tuple(engine_ranks or (rank,))
         self.leader = self.engine_ranks[0]
+        self.episodes = episodes
         self.queue: queue.Queue = queue.Queue()
         self.cond = threading.Condition()
         self.staged: tuple[int, dict[str, torch.Tensor]] | None = None
@@ -179,7 +184,10 @@ class RolloutServer:
                 send_object((self.engine.version, item.requests, item.sampling), follower, self.groups.up)
             heartbeat.enter("generate")
             start = time.perf_counter()
-            results = self.engine.generate(item.requests, item.sampling) if item.requests else []
+            engine = self.engine
+            if item.rows is not None and self.episodes is not None:
+                engine, self.episodes.rows = self.episodes, item.rows
+            results = engine.generate(item.requests, item.sampling) if item.requests else []
             for res in results:  # an engine that loads weights between requests only: one version per request
                 if res.versions is None:
                     res.versions = [self.engine.version] * len(res.response_token_ids)
@@ -207,7 +215,15 @@ def make_server(cfg, groups, rank: int, log=print) -> RolloutServer:
     hybrid = HybridEngine({}, train=layout_of(cfg.parallel, placement.train_size), rollout=setup.weight_layout,
                           bucket_bytes=cfg.rollout.bucket_bytes, separate=groups, device=current_platform().device)
     hybrid.convert = setup.convert
-    return RolloutServer(setup.engine, hybrid, groups, rank, cfg.async_.partial_rollout, log=log, engine_ranks=setup.groups.ranks)
+    episodes = None
+    if cfg.rollout.multi_turn.environment is not None:  # the episodes run here, beside the engine (megarl.rollout.multi_turn)
+        from megarl.data.tokenizer import load_tokenizer
+        from megarl.rollout.multi_turn import with_environment
+
+        episodes = with_environment(setup.engine, cfg.rollout, load_tokenizer(cfg.model.path),
+                                    log=log if rank == placement.train_size else None)
+    return RolloutServer(setup.engine, hybrid, groups, rank, cfg.async_.partial_rollout, log=log,
+                         engine_ranks=setup.groups.ranks, episodes=episodes)
 
 
 def run_rollout_rank(cfg, groups, rank: int, log=print) -> int:

@@ -50,9 +50,6 @@ def _check_multi_turn(cfg: Config) -> None:
     if mt.max_total_tokens is not None and mt.max_total_tokens > ro.max_new_tokens:
         raise ConfigError(f"rollout.multi_turn.max_total_tokens = {mt.max_total_tokens} is above rollout.max_new_tokens = "
                           f"{ro.max_new_tokens}, the trainer's response length: raise rollout.max_new_tokens or lower it")
-    if ro.placement == "separate":
-        raise ConfigError("rollout.multi_turn with rollout.placement=separate: episodes run beside a colocated engine only "
-                          "so far; use rollout.placement=colocated")
     if ro.tp > 1:
         raise ConfigError(f"rollout.multi_turn with rollout.tp = {ro.tp}: episodes run on each rank for its own share, which an "
                           f"engine spanning ranks does not do yet; use rollout.tp=1")

@@ -63,6 +63,9 @@ class _Episode:
     logprobs: list[float] = field(default_factory=list)
     scaled: list[float] | None = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
+    # the policy version each policy token was sampled under (None at environment tokens); None
+    # when the engine does not track versions (asynchronous training, megarl.async_rollout)
+    versions: list[int | None] | None = field(default_factory=list)
     reward: float = 0.0
     turns: int = 0
     observations: int = 0  # environment turns appended (reset text excluded)
@@ -80,10 +83,13 @@ class _Episode:
         self.errors += failure == "error"
         self.timeouts += failure == "timeout"
 
-    def append(self, ids: Sequence[int], policy: bool, lps=None, scaled=None) -> None:
-        """Policy tokens with their engine log-probs (scaled ones when the engine gave them: an
-        episode keeps them only if every turn had them), or environment tokens (mask 0, log-prob 0)."""
+    def append(self, ids: Sequence[int], policy: bool, lps=None, scaled=None, versions=None) -> None:
+        """Policy tokens with their engine log-probs (scaled ones and versions when the engine gave
+        them: an episode keeps them only if every turn had them), or environment tokens (mask 0,
+        log-prob 0)."""
         zeros = [0.0] * len(ids)
+        if self.versions is not None:
+            self.versions = None if policy and versions is None else self.versions + (list(versions) if policy else [None] * len(ids))
         self.tokens += list(ids)
         self.mask += [int(policy)] * len(ids)
         self.logprobs += list(lps) if policy else zeros
@@ -143,7 +149,8 @@ class MultiTurnRollout:
                 for e, r in zip(group, results):
                     ids = list(r.response_token_ids)[:budget]
                     e.append(ids, True, r.logprobs[:len(ids)],
-                             r.scaled_logprobs[:len(ids)] if r.scaled_logprobs is not None else None)
+                             r.scaled_logprobs[:len(ids)] if r.scaled_logprobs is not None else None,
+                             r.versions[:len(ids)] if r.versions is not None else None)
                     e.turns += 1
                     e.finish = r.finish_reason
                     e.last_turn = Turn(response_text(self.tokenizer, ids, sampling.stop_token_ids), tuple(ids), turn,
@@ -221,11 +228,25 @@ class MultiTurnRollout:
         return RolloutResult(e.spec.request.prompt_index, e.spec.sample_index, e.tokens, e.logprobs, e.finish,
                              e.scaled, response_mask=e.mask, env_reward=e.reward,
                              episode={"turns": e.turns, "observations": e.observations, "errors": e.errors,
-                                      "timeouts": e.timeouts, "template_mismatch": e.template_mismatch})
+                                      "timeouts": e.timeouts, "template_mismatch": e.template_mismatch},
+                             versions=_filled(e.versions))
 
     def metrics(self) -> dict[str, float]:
         """The executor's counts since construction (calls, errors, timeouts, abandoned)."""
         return self.executor.metrics()
+
+
+def _filled(versions: list[int | None] | None) -> list[int] | None:
+    """Per-token versions with each environment token given the version of the policy token before
+    it (the first policy token's before any): the staleness of an episode is its policy tokens'."""
+    if not versions or all(v is None for v in versions):
+        return None
+    last = next(v for v in versions if v is not None)
+    out = []
+    for v in versions:
+        last = last if v is None else v
+        out.append(last)
+    return out
 
 
 def _unpack(outcome) -> tuple[str | None, float | None, bool]:
@@ -246,17 +267,26 @@ def _unpack(outcome) -> tuple[str | None, float | None, bool]:
 
 def with_environment(engine, rollout_cfg, tokenizer, log=None):
     """The engine itself, or a MultiTurnRollout over it when rollout.multi_turn.environment is set
-    (its class imported now: a bad name fails before any step)."""
+    (its class imported now: a bad name fails before any step). A remote engine (separate
+    placement's RemoteRollout) is returned itself, set to send prompt rows: its server wraps the
+    real engine with this same function."""
     from megarl.agents.environment import load_environment_class
 
     mt = rollout_cfg.multi_turn
     if mt.environment is None:
         return engine
+    env_class = load_environment_class(mt.environment)
+    chat = ChatTurns(tokenizer) if mt.chat_template else None
+    if getattr(engine, "remote_episodes", False):
+        # rollout.placement=separate: the rollout rank runs the episodes beside its engine (one
+        # round trip a step, and async.max_staleness keeps working); this side sends each prompt's
+        # row with the prompts (megarl.async_rollout)
+        engine.multi_turn, engine.chat = True, chat
+        return engine
     total = mt.max_total_tokens or rollout_cfg.max_new_tokens
     settings = MultiTurnSettings(max_turns=mt.max_turns, max_tokens_per_turn=min(mt.max_tokens_per_turn or total, total),
                                  max_total_tokens=total, max_concurrency=mt.max_concurrency, timeout_s=mt.timeout_s)
-    return MultiTurnRollout(engine, load_environment_class(mt.environment), tokenizer, settings,
-                            ChatTurns(tokenizer) if mt.chat_template else None, log)
+    return MultiTurnRollout(engine, env_class, tokenizer, settings, chat, log)
 
 
 def env_rows(prompts) -> dict[int, dict]:
@@ -273,8 +303,8 @@ def episode_metrics(samples, engine, reduce) -> dict[str, float]:
 
     from megarl.global_batch import LocalStats
 
-    if not isinstance(engine, MultiTurnRollout):
-        return {}
+    if not (isinstance(engine, MultiTurnRollout) or getattr(engine, "multi_turn", False)):
+        return {}  # (multi_turn: a remote engine whose rollout rank runs the episodes)
     col = lambda key: torch.tensor([float(s.episode[key]) for s in samples], dtype=torch.float64)  # noqa: E731
     stats = LocalStats()
     stats.mean("agents/turns_mean", col("turns"))

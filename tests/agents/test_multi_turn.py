@@ -123,6 +123,36 @@ def test_episode_tokens_masks_and_history_as_sampled(hf):
         assert r.response_token_ids[: len(a.response_token_ids)] == a.response_token_ids
 
 
+class NewWeightsEachTurn(Recorder):
+    """The real hf engine under a policy version that grows by one each turn (as new weights
+    reaching a rollout rank between an episode's turns would)."""
+
+    def generate(self, requests, sampling):
+        self.engine.version = len(self.calls)
+        try:
+            return super().generate(requests, sampling)
+        finally:
+            self.engine.version = 0
+
+
+def test_episode_versions_are_the_policy_tokens_own(hf):
+    """Each policy token keeps the version it was sampled under; an environment token takes the
+    version of the policy token before it (a preamble: the first turn's), so a sample's staleness
+    is its oldest policy token's (megarl.async_rollout)."""
+    engine, tokenizer, _ = hf
+    mt = MultiTurnRollout(NewWeightsEachTurn(engine), Echo, tokenizer, MultiTurnSettings(max_turns=5, max_tokens_per_turn=4, max_total_tokens=40))
+    mt.rows = {i: {"preamble": i == 0} for i in range(3)}
+    for r in mt.generate(_requests(), SamplingParams(n=1, temperature=1.0, max_new_tokens=40, seed=7)):
+        assert len(r.versions) == len(r.response_token_ids)
+        expected, turn, prev = [], -1, 0
+        for m in r.response_mask:  # Echo answers every turn: each run of mask 1 is one policy turn
+            turn += m == 1 and prev == 0
+            expected.append(max(turn, 0))
+            prev = m
+        assert r.response_mask.count(0) > 0 and max(expected) == 2  # three turns, two observations
+        assert r.versions == expected, (r.response_mask, r.versions)
+
+
 def _seed(result, sampling):
     from megarl.rollout.base import make_sample_seed
 

@@ -31,10 +31,18 @@ def test_async_section_is_spelled_async_and_round_trips(tmp_path):
     (["rollout.placement=separate", "rollout.num_ranks=1", "async.partial_rollout=true"], "set async.max_staleness >= 1"),
     (["rollout.placement=separate", "rollout.num_ranks=1", "algorithm.adv_estimator=remax"], "use rollout.placement=colocated"),
     (["async.max_stalenes=1"], "did you mean 'async.max_staleness'"),
+    (["rollout.placement=separate", "rollout.num_ranks=1", "async.max_staleness=1", "algorithm.filter_groups.enable=true",
+      "algorithm.adv_estimator=grpo"], "set async.max_staleness=0 or algorithm.filter_groups.enable=false"),
 ])
 def test_refusals_name_the_keys(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(BASE, overrides)
+
+
+def test_multi_turn_and_dynamic_sampling_run_under_separate_placement():
+    separate = ["rollout.placement=separate", "rollout.num_ranks=1"]
+    load_config("configs/tiny_cpu_tool.yaml", [*separate, "async.max_staleness=1"])  # episodes on the rollout rank
+    load_config(BASE, [*separate, "algorithm.filter_groups.enable=true", "algorithm.adv_estimator=grpo"])  # at K = 0
 
 
 def test_no_training_rank_left_is_refused():

@@ -1,6 +1,6 @@
 """DAPO batch shaping in launch/ppo.py runs of the tiny demo (GRPO, 8 prompts x 4 samples): at the
 random start most groups score all 0 and are dropped; every trained group has a score spread;
-dp2 trains exactly what one process trains; too few rounds end the run with one error line."""
+dp2 (with a third rank generating for both, separate placement) trains exactly what one process trains; too few rounds end the run with one error line."""
 from __future__ import annotations
 
 import pytest
@@ -39,8 +39,10 @@ def test_every_trained_group_has_a_score_spread(filtered_single):
 
 @pytest.mark.multiprocess
 def test_dp2_trains_what_one_process_trains(filtered_single):
+    """2 training ranks (dp2) and a third that generates for both (rollout.placement=separate, K = 0):
+    the rounds come from the rollout rank, the groups are shared over the DP group."""
     root = filtered_single
-    launch_ok(2, small_run_overrides(root, root / "dp2", **SHAPED))
+    launch_ok(3, small_run_overrides(root, root / "dp2", **SHAPED, **{"rollout.placement": "separate", "rollout.num_ranks": 1}))
     single, dp2 = read_metrics(root / "single"), read_metrics(root / "dp2")
     compared = tuple(k for k in COMPARED if k in single[0])  # GRPO: no critic
     assert len(single) == len(dp2) == 2
