@@ -146,6 +146,9 @@ def bench_ppo(tmp: Path, steps: int) -> dict:
     out["ppo/update_actor_per_optimizer_step"] = {"value": out["ppo/update_actor"]["value"] / steps, "gate": out["ppo/update_actor"]["gate"],
                                                   "detail": {"median_cpu_s": out["ppo/update_actor"]["detail"]["median_cpu_s"] / steps,
                                                              "optimizer_steps": steps}}
+    if "value_without_injection" in out["ppo/update_actor"]["detail"]:
+        out["ppo/update_actor_per_optimizer_step"]["detail"]["value_without_injection"] = \
+            out["ppo/update_actor"]["detail"]["value_without_injection"] / steps
     return out
 
 
