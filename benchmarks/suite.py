@@ -3,6 +3,8 @@
     python benchmarks/suite.py run   [--out runs/bench/suite.json]       # measure (a few minutes, 2 cores)
     python benchmarks/suite.py check [--results runs/bench/suite.json]   # compare with the baseline
     python benchmarks/suite.py baseline                                   # refresh this machine kind's baseline
+    (run and baseline take --only ppo,sync,packing,trl: measure some parts; check skips the others,
+    baseline keeps the others' figures)
 
 Every figure is a ratio taken inside one run, so a slower or busier machine does not read as a
 regression:
@@ -246,6 +248,16 @@ def compare(current: dict, baseline: dict, tolerance: float) -> tuple[list[str],
     return lines, regressions
 
 
+def merge_baseline(old: dict, new: dict, parts: tuple[str, ...]) -> dict:
+    """`baseline --only`: the new run's figures for the re-measured parts, the old baseline's for the
+    others. A re-measured part's old figures all go (a phase the demo no longer runs must not stay)."""
+    def remeasured(name: str) -> bool:
+        return ("ppo" in parts) if name.startswith("_") else any(name.startswith(PARTS[p]) for p in parts)
+
+    kept = {k: v for k, v in old["metrics"].items() if not remeasured(k)}
+    return {**new, "metrics": {**kept, **new["metrics"]}, "remeasured_parts": list(parts), "skipped_parts": {}, "skipped": []}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -285,12 +297,8 @@ def main(argv=None) -> int:
             return 2
         old = json.loads(out.read_text()) if args.only else None
         result = run_suite(out, args.steps, only)
-        if old is not None:  # the parts not re-measured keep their figures (a part's old figures all go)
-            kept = {k: v for k, v in old["metrics"].items() if k.startswith("_") and "ppo" not in only
-                    or not k.startswith("_") and not any(k.startswith(PARTS[p]) for p in only)}
-            result["metrics"] = {**kept, **result["metrics"]}
-            result["remeasured_parts"], result["skipped_parts"], result["skipped"] = list(only), {}, []
-            out.write_text(json.dumps(result, indent=1) + "\n")
+        if old is not None:
+            out.write_text(json.dumps(merge_baseline(old, result, only), indent=1) + "\n")
         print(f"wrote {out}; commit it with a message saying why the baseline moved")
         return 0
     if not args.results.is_file():
