@@ -7,7 +7,9 @@
   figures are CPU-speed independent too.
 - Injection: `MEGARL_BENCH_SLOWDOWN=<phase>:<fraction>` (e.g. `update_actor:0.2`) busy-works, at
   the end of that phase, `fraction` x the CPU time the phase took: a real 20% slowdown of one
-  phase, to show that `make bench-check` catches it and names the phase.
+  phase, to show that `make bench-check` catches it and names the phase. Read here only (never by
+  megarl's training code). The injected CPU seconds are logged as `bench/injected_cpu_s/<phase>`, so
+  the figure without them can be shown too (tests/benchmarks/test_slowdown_check.py).
 """
 from __future__ import annotations
 
@@ -58,6 +60,7 @@ def install() -> None:
     if timer is None:
         raise SystemExit("benchmarks/_ppo_probe.py: megarl.trainer has no _Timer any more; update the phase hooks")
     cpu: dict[str, float] = {}
+    injected: dict[str, float] = {}
     slow_phase, _, fraction = (os.environ.get("MEGARL_BENCH_SLOWDOWN") or "").partition(":")
     enter, exit_ = timer.__enter__, timer.__exit__
 
@@ -68,7 +71,9 @@ def install() -> None:
     def timed_exit(self, *exc):
         phase = self.name.removeprefix("timing_s/")
         if phase == slow_phase:
-            _spin(float(fraction) * (time.process_time() - self._cpu_start))
+            t0 = time.process_time()
+            _spin(float(fraction) * (t0 - self._cpu_start))
+            injected[phase] = injected.get(phase, 0.0) + time.process_time() - t0
         cpu[phase] = cpu.get(phase, 0.0) + time.process_time() - self._cpu_start
         return exit_(self, *exc)
 
@@ -78,8 +83,10 @@ def install() -> None:
     def ppo_step(self):
         before = calibration_cpu_seconds()
         cpu.clear()
+        injected.clear()
         result = step(self)  # StepResult(metrics, events)
         result.metrics.update({f"bench/cpu_s/{k}": v for k, v in cpu.items()})
+        result.metrics.update({f"bench/injected_cpu_s/{k}": v for k, v in injected.items()})
         result.metrics["bench/calibration_cpu_s"] = (before + calibration_cpu_seconds()) / 2
         return result
 

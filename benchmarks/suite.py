@@ -3,6 +3,8 @@
     python benchmarks/suite.py run   [--out runs/bench/suite.json]       # measure (a few minutes, 2 cores)
     python benchmarks/suite.py check [--results runs/bench/suite.json]   # compare with the baseline
     python benchmarks/suite.py baseline                                   # refresh this machine kind's baseline
+    (run and baseline take --only ppo,sync,packing,trl: measure some parts; check skips the others,
+    baseline keeps the others' figures)
 
 Every figure is a ratio taken inside one run, so a slower or busier machine does not read as a
 regression:
@@ -134,6 +136,9 @@ def bench_ppo(tmp: Path, steps: int) -> dict:
                             "gate": seconds >= GATE_MIN_SHARE * step,
                             "detail": {"median_cpu_s": seconds, "share_of_step": seconds / step,
                                        "median_wall_s": statistics.median(r[f"timing_s/{ph}"] for r in rows)}}
+        if any(f"bench/injected_cpu_s/{ph}" in r for r in rows):  # MEGARL_BENCH_SLOWDOWN: the figure without the injected work
+            out[f"ppo/{ph}"]["detail"]["value_without_injection"] = statistics.median(
+                (r[f"bench/cpu_s/{ph}"] - r.get(f"bench/injected_cpu_s/{ph}", 0.0)) / r["bench/calibration_cpu_s"] for r in rows)
     # The HF engine's generation speed: CPU time of the gen phase per generated token.
     per_token = [r["bench/cpu_s/gen"] / (r["response_length/mean"] * _responses(rows)) / r["bench/calibration_cpu_s"] for r in rows]
     out["rollout/hf/seconds_per_token"] = {"value": statistics.median(per_token), "gate": out["ppo/gen"]["gate"]}
@@ -143,6 +148,9 @@ def bench_ppo(tmp: Path, steps: int) -> dict:
     out["ppo/update_actor_per_optimizer_step"] = {"value": out["ppo/update_actor"]["value"] / steps, "gate": out["ppo/update_actor"]["gate"],
                                                   "detail": {"median_cpu_s": out["ppo/update_actor"]["detail"]["median_cpu_s"] / steps,
                                                              "optimizer_steps": steps}}
+    if "value_without_injection" in out["ppo/update_actor"]["detail"]:
+        out["ppo/update_actor_per_optimizer_step"]["detail"]["value_without_injection"] = \
+            out["ppo/update_actor"]["detail"]["value_without_injection"] / steps
     return out
 
 
@@ -185,19 +193,30 @@ def other_engines() -> dict:
     return out
 
 
-def run_suite(out: Path, steps: int) -> dict:
+# The suite's parts (`run --only`) and the figure names each one measures.
+PARTS = {"ppo": ("ppo/", "rollout/hf/"), "sync": ("sync/",), "packing": ("actor_update/",), "trl": ("vs_trl/",)}
+
+
+def run_suite(out: Path, steps: int, only: tuple[str, ...] = tuple(PARTS)) -> dict:
+    # BENCH_TRL=0 skips the TRL comparison (it installs TRL into runs/trl-venv on first use); check
+    # then reports it as skipped, not as missing. So are the parts `run --only` leaves out.
+    skipped_parts = {p: "run --only" for p in PARTS if p not in only}
+    if "trl" in only and os.environ.get("BENCH_TRL", "1") == "0":
+        skipped_parts["trl"] = "BENCH_TRL=0"
+    parts = [p for p in PARTS if p not in skipped_parts]
+    skipped = [TRL_FIGURE] if "trl" in skipped_parts else []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        metrics = {**bench_ppo(tmp, steps), **bench_sync(tmp), **bench_packing(tmp)}
-        # BENCH_TRL=0 skips the TRL comparison (it installs TRL into runs/trl-venv on first use);
-        # check then reports it as skipped, not as missing.
-        skipped = [TRL_FIGURE] if os.environ.get("BENCH_TRL", "1") == "0" else []
-        if not skipped:
-            metrics.update(bench_vs_trl(tmp))
+        metrics = {}
+        for part, bench in (("ppo", lambda: bench_ppo(tmp, steps)), ("sync", lambda: bench_sync(tmp)),
+                            ("packing", lambda: bench_packing(tmp)), ("trl", lambda: bench_vs_trl(tmp))):
+            if part in parts:
+                metrics.update(bench())
     result = {"machine_kind": machine_kind(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
               "load_average_1_5_15": list(os.getloadavg()), "slowdown_injected": os.environ.get("MEGARL_BENCH_SLOWDOWN"),
-              "metrics": metrics, "skipped": skipped, "not_measured": other_engines()}
+              "metrics": metrics, "skipped": skipped, "skipped_parts": skipped_parts,
+              "not_measured": other_engines()}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     return result
@@ -211,8 +230,9 @@ def compare(current: dict, baseline: dict, tolerance: float) -> tuple[list[str],
         if name.startswith("_"):
             continue
         now = current["metrics"].get(name)
-        if now is None and name in current.get("skipped", ()):
-            lines.append(f"{'skipped':>18}  {name:<36} (skipped on request: BENCH_TRL=0)")
+        left_out = [why for p, why in current.get("skipped_parts", {}).items() if name.startswith(PARTS[p])]
+        if now is None and (name in current.get("skipped", ()) or left_out):
+            lines.append(f"{'skipped':>18}  {name:<36} (skipped on request: {(left_out or ['BENCH_TRL=0'])[0]})")
             continue
         if now is None:
             regressions.append(f"{name}: measured in the baseline, missing now")
@@ -228,22 +248,40 @@ def compare(current: dict, baseline: dict, tolerance: float) -> tuple[list[str],
     return lines, regressions
 
 
+def merge_baseline(old: dict, new: dict, parts: tuple[str, ...]) -> dict:
+    """`baseline --only`: the new run's figures for the re-measured parts, the old baseline's for the
+    others. A re-measured part's old figures all go (a phase the demo no longer runs must not stay)."""
+    def remeasured(name: str) -> bool:
+        return ("ppo" in parts) if name.startswith("_") else any(name.startswith(PARTS[p]) for p in parts)
+
+    kept = {k: v for k, v in old["metrics"].items() if not remeasured(k)}
+    return {**new, "metrics": {**kept, **new["metrics"]}, "remeasured_parts": list(parts), "skipped_parts": {}, "skipped": []}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="measure the suite")
     r.add_argument("--out", type=Path, default=DEFAULT_RESULTS)
     r.add_argument("--steps", type=int, default=10, help=f"PPO steps (the first {WARMUP_STEPS} are warm-up)")
+    r.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts to measure, of {','.join(PARTS)} "
+                   "(check then reports the others as skipped)")
     c = sub.add_parser("check", help="compare results with the baseline of this machine kind")
     c.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
     c.add_argument("--baseline", type=Path)
     c.add_argument("--tolerance", type=float, default=0.15)
     b = sub.add_parser("baseline", help="measure and store as this machine kind's baseline")
     b.add_argument("--steps", type=int, default=10)
+    b.add_argument("--only", help="comma-separated parts to re-measure; the baseline's other figures are kept")
     args = p.parse_args(argv)
 
     if args.cmd == "run":
-        result = run_suite(args.out, args.steps)
+        only = tuple(p.strip() for p in args.only.split(",") if p.strip())
+        unknown = sorted(set(only) - set(PARTS))
+        if unknown or not only:
+            print(f"error: --only {args.only!r}: unknown part(s) {unknown}; choose from {','.join(PARTS)}", file=sys.stderr)
+            return 2
+        result = run_suite(args.out, args.steps, only)
         for name, m in result["metrics"].items():
             print(f"{name:<36} {m['value']:.4f}{'' if m['gate'] else '  (not gated)'}")
         print(f"wrote {args.out}")
@@ -253,7 +291,14 @@ def main(argv=None) -> int:
             print("error: MEGARL_BENCH_SLOWDOWN is set; a baseline must measure the code as it is", file=sys.stderr)
             return 2
         out = baseline_path()
-        run_suite(out, args.steps)
+        only = tuple(p.strip() for p in (args.only or ",".join(PARTS)).split(",") if p.strip())
+        if set(only) - set(PARTS) or (args.only and not out.is_file()):
+            print(f"error: --only {args.only!r}: choose parts from {','.join(PARTS)}, with an existing baseline ({out})", file=sys.stderr)
+            return 2
+        old = json.loads(out.read_text()) if args.only else None
+        result = run_suite(out, args.steps, only)
+        if old is not None:
+            out.write_text(json.dumps(merge_baseline(old, result, only), indent=1) + "\n")
         print(f"wrote {out}; commit it with a message saying why the baseline moved")
         return 0
     if not args.results.is_file():

@@ -84,3 +84,21 @@ def test_the_trl_ratio_and_the_per_optimizer_step_cost_are_gated_and_a_skipped_t
     assert suite.compare(now, base, tolerance=0.15)[1] == ["vs_trl/megarl_over_trl: measured in the baseline, missing now"]
     lines, regressions = suite.compare({**now, "skipped": ["vs_trl/megarl_over_trl"]}, base, tolerance=0.15)
     assert regressions == [] and any(line.strip().startswith("skipped") and "vs_trl" in line for line in lines)
+
+
+def test_parts_left_out_by_run_only_are_skipped_and_a_partial_baseline_refresh_keeps_the_rest():
+    current = {"machine_kind": "cpu-2", "metrics": {k: v for k, v in BASELINE["metrics"].items() if k.startswith(("ppo/", "_"))},
+               "skipped_parts": {"sync": "run --only"}}
+    lines, regressions = suite.compare(current, BASELINE, tolerance=0.15)
+    assert regressions == []
+    assert [line.split()[:2] for line in lines if "sync/" in line] == [["skipped", "sync/megarl_over_naive"]]
+    assert "(skipped on request: run --only)" in next(line for line in lines if "sync/" in line)
+
+    new = {"machine_kind": "cpu-2", "metrics": {"ppo/update_actor": {"value": 11.0, "gate": True},
+                                                "_calibration_cpu_s": {"value": 0.04, "gate": False}}}
+    merged = suite.merge_baseline(BASELINE, new, ("ppo",))
+    # The re-measured part's old figures all go (update_critic: a phase no longer run); sync stays as it was.
+    assert merged["metrics"] == {"sync/megarl_over_naive": {"value": 0.6, "gate": True},
+                                 "ppo/update_actor": {"value": 11.0, "gate": True},
+                                 "_calibration_cpu_s": {"value": 0.04, "gate": False}}
+    assert merged["remeasured_parts"] == ["ppo"] and BASELINE["metrics"]["ppo/update_critic"]["value"] == 9.0  # old one untouched
