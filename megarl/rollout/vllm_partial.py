@@ -102,7 +102,14 @@ class InterruptibleGeneration:
         self.engine.llm.llm_engine.abort_request(list(self.running))
         self.running.clear()
         self._close_segments(stopped)
-        self.interrupted.extend(stopped)
+        stop = set(self.sampling.stop_token_ids)
+        for s in stopped:  # one that was complete but not yet reported finished needs no continuation
+            if s.tokens and s.tokens[-1] in stop:
+                s.finish = "stop"
+            elif len(s.tokens) >= self.sampling.max_new_tokens:
+                s.finish = "length"
+            else:
+                self.interrupted.append(s)
 
     # ------------------------------------------------------------------ helpers
     def _submit(self, samples: list[_Sample]) -> None:
