@@ -32,9 +32,11 @@ def check_placement(cfg: Config) -> None:
     if r.engine not in ("hf", "vllm"):
         raise ConfigError(f"rollout.placement=separate runs rollout.engine=hf or vllm so far, got {r.engine}: use one of "
                           f"those or rollout.placement=colocated")
-    if r.engine != "hf" and a.partial_rollout:  # only the hf engine has a hook between the tokens of a request
-        raise ConfigError(f"async.partial_rollout continues requests between tokens, which rollout.engine={r.engine} does not "
-                          f"offer yet: use rollout.engine=hf or async.partial_rollout=false")
+    if r.engine == "vllm" and a.partial_rollout and r.tp > 1:
+        # vLLM aborts and resubmits the running requests at an update (megarl.rollout.vllm_partial) on the
+        # leading rank; its TP followers replay whole generate calls and would leave vLLM's lockstep
+        raise ConfigError(f"async.partial_rollout with rollout.engine=vllm runs rollout.tp=1 engines, got rollout.tp = {r.tp}: "
+                          f"set rollout.tp=1 (rollout.num_ranks engines of one rank) or async.partial_rollout=false")
     if r.num_ranks % r.tp:
         raise ConfigError(f"rollout.num_ranks = {r.num_ranks} is not divisible by rollout.tp = {r.tp}")
     alg = cfg.algorithm

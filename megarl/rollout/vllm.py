@@ -277,6 +277,12 @@ class VLLMRolloutEngine:
         self._tied = ties_embeddings(config.hf_dir)
         self.weight_format = "hf"  # full HF tensors into reload_weights; "direct": see use_direct_weights
         self.adapter = AdapterSlot.for_llm(self.llm, vllm) if config.lora_rank else None  # the actor's LoRA
+        # Asynchronous training (megarl.async_rollout): the policy version of the loaded weights, recorded
+        # per token, and a hook run between engine steps that may load newer weights mid-request
+        # (partial rollout: the running requests continue under them, megarl.rollout.vllm_partial).
+        self.version = 0
+        self.between_tokens = None
+        self._in_flight = None  # the InterruptibleGeneration running, which a weight load interrupts
         # created after vLLM's own exit hook, so it runs first at exit (finalizers run newest first)
         self._finalizer = weakref.finalize(self, _shutdown_keeping_default_group, self.llm.llm_engine.engine_core)
 
@@ -299,6 +305,8 @@ class VLLMRolloutEngine:
         quantized and repacked MoE kernels need; it must see the whole model in one call. The
         direct path runs the same processing per module (vllm_direct.write_shards).
         """
+        if self._in_flight is not None:  # partial rollout: abort the running requests before their weights change
+            self._in_flight.interrupt()
         if not self._weights_awake:
             self.llm.wake_up(tags=["weights"])
             self._weights_awake = True
@@ -306,7 +314,7 @@ class VLLMRolloutEngine:
             from megarl.rollout.vllm_direct import write_shards
 
             self.llm.collective_rpc(write_shards, args=(iter(weights),))
-            self.llm.reset_prefix_cache()
+            self._reset_prefix_cache()
             self._weights_valid = True
             return
         # Copies: vLLM's layerwise reload keeps each tensor until its layer has all its weights
@@ -316,8 +324,15 @@ class VLLMRolloutEngine:
         if self._tied:
             owned = with_tied_lm_head(owned)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": owned, "is_checkpoint_format": True})
-        self.llm.reset_prefix_cache()  # the prefix cache holds KV computed with the old weights
+        self._reset_prefix_cache()  # the prefix cache holds KV computed with the old weights
         self._weights_valid = True
+
+    def _reset_prefix_cache(self) -> None:
+        # mid-generation (partial rollout) the continuations' prompts would otherwise hit KV blocks
+        # of the old weights: the reset must succeed, which it does once no request holds a block
+        if not self.llm.reset_prefix_cache() and self._in_flight is not None:
+            raise RuntimeError("vLLM kept its prefix cache across a weight update mid-generation (a request still "
+                               "holds KV blocks); the continued requests would reuse KV of the old weights")
 
     def load_adapter(self, tensors: dict[str, torch.Tensor], peft_config: dict) -> int:
         """Adapter-only sync: PEFT-named LoRA tensors replace the running adapter (vllm_lora); returns the bytes sent."""
@@ -340,6 +355,8 @@ class VLLMRolloutEngine:
             raise RuntimeError("vLLM engine is asleep or has no synced weights: call load_weights() and resume_memory() first")
         vllm = self._vllm
         specs = expand_samples(requests, sampling)
+        if self.between_tokens is not None:
+            return self._generate_interruptible(specs, sampling)
         prompts = [vllm.TokensPrompt(prompt_token_ids=list(s.request.prompt_token_ids)) for s in specs]
         # untruncated log-probs: the processed ones when nothing is truncated (the same distribution),
         # else processed + the log kept mass KeptMassRecorder measures per tagged request
@@ -363,6 +380,17 @@ class VLLMRolloutEngine:
                                          c.finish_reason if c.finish_reason in ("stop", "length") else "abort",
                                          scaled_logprobs=untruncated))
         return results
+
+    def _generate_interruptible(self, specs, sampling: SamplingParams) -> list[RolloutResult]:
+        """Step by step, calling between_tokens after each step (megarl.rollout.vllm_partial)."""
+        from megarl.rollout.vllm_partial import InterruptibleGeneration
+
+        self._generate_calls += 1
+        self._in_flight = InterruptibleGeneration(self, specs, sampling)
+        try:
+            return self._in_flight.run()
+        finally:
+            self._in_flight = None
 
     def release_memory(self) -> None:
         if not self.sleep_mode or not (self._weights_awake or self._kv_awake):

@@ -26,8 +26,8 @@ def test_async_section_is_spelled_async_and_round_trips(tmp_path):
     (["async.max_staleness=1"], "set rollout.placement=separate"),
     (["rollout.placement=separate"], "needs rollout.num_ranks >= 1"),
     (["rollout.placement=separate", "rollout.num_ranks=1", "rollout.engine=sglang"], "runs rollout.engine=hf or vllm so far"),
-    (["rollout.placement=separate", "rollout.num_ranks=1", "rollout.engine=vllm", "async.max_staleness=1",
-      "async.partial_rollout=true"], "use rollout.engine=hf or async.partial_rollout=false"),
+    (["rollout.placement=separate", "rollout.num_ranks=2", "rollout.engine=vllm", "rollout.tp=2", "async.max_staleness=1",
+      "async.partial_rollout=true"], "set rollout.tp=1 .* or async.partial_rollout=false"),
     (["rollout.placement=separate", "rollout.num_ranks=1", "async.partial_rollout=true"], "set async.max_staleness >= 1"),
     (["rollout.placement=separate", "rollout.num_ranks=1", "algorithm.adv_estimator=remax"], "use rollout.placement=colocated"),
     (["async.max_stalenes=1"], "did you mean 'async.max_staleness'"),
@@ -37,6 +37,12 @@ def test_async_section_is_spelled_async_and_round_trips(tmp_path):
 def test_refusals_name_the_keys(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(BASE, overrides)
+
+
+def test_partial_rollout_runs_on_vllm_engines_of_one_rank():
+    cfg = load_config(BASE, ["rollout.placement=separate", "rollout.num_ranks=2", "rollout.engine=vllm",
+                             "async.max_staleness=1", "async.partial_rollout=true"])
+    assert (cfg.rollout.engine, cfg.rollout.tp, cfg.async_.partial_rollout) == ("vllm", 1, True)
 
 
 def test_multi_turn_and_dynamic_sampling_run_under_separate_placement():

@@ -214,3 +214,17 @@ def test_untruncated_logprobs_add_the_log_kept_mass_per_position():
     assert untruncated_logprobs([-0.5], None) is None
     assert truncates(SamplingParams(top_p=0.9)) and truncates(SamplingParams(top_k=5))
     assert not truncates(SamplingParams()) and not truncates(SamplingParams(temperature=0.0, top_k=5))
+
+
+def test_a_continuation_keeps_its_seed_before_any_token_and_draws_fresh_noise_after():
+    """async.partial_rollout on vLLM (megarl.rollout.vllm_partial): a request interrupted before its
+    first token restarts exactly as it would have; one that kept tokens must not replay the noise
+    that drew them (the same seed again), and its stream is a function of (seed, tokens kept)."""
+    from megarl.rollout.vllm_partial import continuation_seed
+
+    seed = make_sample_seed(3, 1, 0, 0)
+    assert continuation_seed(seed, 0) == seed
+    later = [continuation_seed(seed, kept) for kept in (1, 2, 5)]
+    assert len({seed, *later}) == 4 and later == [continuation_seed(seed, kept) for kept in (1, 2, 5)]
+    assert continuation_seed(seed + 1, 2) != later[1]
+    assert all(0 <= s < 2 ** 63 for s in later)  # every engine takes an int64 seed

@@ -290,6 +290,60 @@ def test_multi_turn_episode_over_real_vllm_token_ids_and_actor_logprobs(setup, m
     assert (actor_lp - engine_lp)[on].abs().max() < LOGPROB_ATOL
 
 
+def test_partial_rollout_continues_running_requests_under_the_new_weights(setup, model_dir):
+    """Issue 24, item 2, with the real engine (async.partial_rollout): weights staged while requests
+    run are loaded by the rollout server between two engine steps; each response keeps the tokens
+    and log-probs it had, those equal the ones generated without the update, the rest are sampled
+    under the new weights (teacher-forced: the new model's log-probs given the whole prefix, which
+    vLLM prefilled again), every token says its version, and the total length stays the cap."""
+    from types import SimpleNamespace
+
+    from megarl.async_rollout.server import RolloutServer
+
+    engine = setup.engine
+    old, new = perturbed_state(model_dir, 8), perturbed_state(model_dir, 9)
+    ref_old, ref_new = transformers_model(model_dir, old), transformers_model(model_dir, new)
+    sampling = SamplingParams(n=2, temperature=0.8, top_k=30, max_new_tokens=6, seed=3)
+    requests = _requests(PROMPTS[:3], step=2)
+    plan = SimpleNamespace(planned_recv_bytes=[0, 0], needed_bytes=[0, 0], min_recv_bytes=[0, 0])
+    server = RolloutServer(engine, SimpleNamespace(plan=plan), groups=None, rank=1, partial_rollout=True)
+    assert engine.between_tokens == server.load_staged
+    try:
+        server.staged = (0, old)
+        server.load_staged()
+        stepped = engine.generate(requests, sampling)  # step by step, no update arrives
+        engine.between_tokens = None
+        uninterrupted = engine.generate(requests, sampling)  # LLM.generate
+        assert [r.response_token_ids for r in stepped] == [r.response_token_ids for r in uninterrupted]
+        assert all(r.versions == [0] * 6 for r in stepped)
+        steps = []
+
+        def between_tokens():  # the receiving thread stages version 1 after the second step (two tokens each)
+            steps.append(1)
+            if len(steps) == 2:
+                server.staged = (1, new)
+            server.load_staged()
+
+        engine.between_tokens = between_tokens
+        interrupted = engine.generate(requests, sampling)
+    finally:
+        engine.between_tokens = None
+    assert engine.version == 1 and server.staged is None
+    moved = 0.0
+    for a, b in zip(uninterrupted, interrupted):
+        prompt, tokens = PROMPTS[b.prompt_index], b.response_token_ids
+        assert b.versions == [0, 0, 1, 1, 1, 1] and len(tokens) == 6 and b.finish_reason == "length"
+        assert tokens[:2] == a.response_token_ids[:2] and b.logprobs[:2] == a.logprobs[:2]  # kept as they were
+        for ref, part in ((ref_old, slice(0, 2)), (ref_new, slice(2, 6))):
+            processed = teacher_forced_logprobs(ref, prompt, tokens, 0.8, 30)[part]
+            untruncated = teacher_forced_logprobs(ref, prompt, tokens, 0.8)[part]  # softmax(logits / T), no top-k
+            assert max(abs(x - y) for x, y in zip(b.logprobs[part], processed)) < LOGPROB_ATOL
+            assert max(abs(x - y) for x, y in zip(b.scaled_logprobs[part], untruncated)) < LOGPROB_ATOL
+        stale = teacher_forced_logprobs(ref_old, prompt, tokens, 0.8, 30)[2:]
+        moved = max(moved, max(abs(x - y) for x, y in zip(b.logprobs[2:], stale)))
+    assert moved > 1e-2  # the two policies differ where it matters: the check above could tell them apart
+
+
 def test_close_keeps_the_trainers_process_group(setup):
     """Last in the module: vLLM's own shutdown ends with destroy_process_group()."""
     setup.engine.close()
