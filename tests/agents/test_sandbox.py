@@ -34,7 +34,9 @@ needs_sandbox = pytest.mark.skipif(_available() is not None, reason=f"sandbox un
 
 
 def _sandbox_processes() -> list[int]:
-    """Host pids running under a sandbox uid (they must all be gone when run_python returns)."""
+    """Host pids running under a sandbox uid of this process (they must all be gone when run_python
+    returns); other processes' sandboxes (a concurrent test run, a trainer's tools) are theirs."""
+    first = sandbox._UID_BASE + (os.getpid() % 100_000) * 100  # this process's block (sandbox.run_python)
     out = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -42,7 +44,7 @@ def _sandbox_processes() -> list[int]:
                 uid = int((entry / "status").read_text().split("\nUid:")[1].split()[0])
             except (OSError, IndexError, ValueError):
                 continue
-            if sandbox._UID_BASE <= uid < sandbox._UID_BASE + 100_000 * 100:
+            if first <= uid < first + 100:
                 out.append(int(entry.name))
     return out
 
