@@ -119,6 +119,7 @@ def run_python(code: str, timeout_s: float = 10.0, limits: SandboxLimits = Sandb
             break
         over_cap.wait(0.02)
     proc.wait()
+    _wait_until_gone(uid)
     for out in outs:
         out.join()
     return SandboxResult(stdout=outs[0].text(), stderr=outs[1].text(), exit_code=proc.returncode, timed_out=timed_out,
@@ -132,6 +133,27 @@ def _kill(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _uid_alive(uid: int) -> bool:
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/status") as f:
+                    if f"\nUid:\t{uid}\t" in f.read():
+                        return True
+            except OSError:
+                continue
+    return False
+
+
+def _wait_until_gone(uid: int, timeout_s: float = 5.0) -> None:
+    # unshare exits before the kernel has finished killing the namespace's other processes (a
+    # child that called setsid left the killed process group): they are gone a moment later. Wait
+    # for that, so that a call returns with nothing of its sandbox left on the host.
+    deadline = time.monotonic() + timeout_s
+    while _uid_alive(uid) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 class _CappedReader:
