@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import zlib
 
@@ -22,8 +21,8 @@ import torch.distributed as dist
 from megarl.config import load_config
 from megarl.placement import Placement, split_world
 from megarl.rollout.base import RolloutRequest, SamplingParams
+from sync_worker import PROMPTS, vllm_shard_bytes  # this directory: the colocated sync worker's prompts and bound
 
-PROMPTS = [[5, 6, 7], [11, 12, 40, 41], [3, 4, 5, 6, 7, 8], [42]]
 GREEDY = SamplingParams(n=1, temperature=0.0, max_new_tokens=8)
 TRAIN_SIZE = 2
 
@@ -56,7 +55,7 @@ def _rollout_rank(cfg, groups, rank: int, tmp: str) -> None:
     plan = server.hybrid.plan
     mine = dict(rank=rank, weight_path="direct" if server.engine.weight_format == "direct" else "full",
                 sync_bytes=server.sync_bytes, payload_bytes=server.sync_payload_bytes, chunks_received=_chunks(plan, rank), shard_bytes=plan.needed_bytes[rank], bound_bytes=plan.min_recv_bytes[rank],
-                vllm_shard_bytes=_vllm_shard_bytes(server.engine), engine_ranks=list(server.engine_ranks))
+                vllm_shard_bytes=vllm_shard_bytes(server.engine), engine_ranks=list(server.engine_ranks))
     server.engine.close()
     with open(f"{tmp}/rank{rank}.json", "w") as f:
         json.dump(mine, f)
@@ -99,17 +98,6 @@ def _training_rank(cfg, groups, rank: int, args) -> None:
 def _chunks(plan, rank: int) -> int:
     """Chunks this rank receives in one sync (each padded to megarl.hybrid.plan.ALIGN on the wire)."""
     return sum(len(op.chunks) for b in plan.buckets for op in b.ops if rank in op.dsts)
-
-
-def _vllm_shard_bytes(engine) -> int:
-    """Bytes of vLLM's parameters on this rank, vocabulary padding rows left out (nobody sends those)."""
-    desc = engine.describe_model()
-    total = sum(4 * math.prod(shape) for shape in desc["params"].values())  # float32
-    lo, hi = desc["vocab"]["rows"]
-    for name, shape in desc["params"].items():
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            total -= 4 * (shape[0] - (hi - lo)) * shape[1]
-    return total
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def main() -> None:
         dist.barrier()
         mine = dict(tokens=[o.response_token_ids for o in outs], logprobs=[o.logprobs for o in outs], corrupted=corrupted,
                     bytes_received=stats.bytes_received, bound_bytes=hybrid.plan.min_recv_bytes[dims.rank],
-                    needed_bytes=hybrid.plan.needed_bytes[dims.rank], vllm_shard_bytes=_vllm_shard_bytes(setup.engine))
+                    needed_bytes=hybrid.plan.needed_bytes[dims.rank], vllm_shard_bytes=vllm_shard_bytes(setup.engine))
         gathered = [None] * dims.world_size
         dist.all_gather_object(gathered, mine)
         results.append(dict(tp=tp, pp=pp, dp=dims.dp, export=export_dir, per_rank=gathered, weight_path=setup.weight_path,
@@ -104,7 +104,7 @@ def _corrupting(convert, rank: int):
     return corrupt
 
 
-def _vllm_shard_bytes(engine) -> int:
+def vllm_shard_bytes(engine) -> int:
     """Bytes of vLLM's parameters on this rank, vocabulary padding rows left out (nobody sends those)."""
     desc = engine.describe_model()
     total = sum(4 * math.prod(shape) for shape in desc["params"].values())  # float32
