@@ -85,6 +85,21 @@ def torchrun(nproc: int, args: list[str], timeout: int = 600, env: dict | None =
     return proc
 
 
+def stage_at_call(server, new: dict, at: int):
+    """A `between_tokens` hook for an engine served by the RolloutServer `server`: at its `at`-th
+    call it stages `new` as version 1 (as the receiving thread would mid-request), and every call
+    loads what is staged (partial rollout: tests/async_rl/test_partial_rollout.py, tests/vllm)."""
+    calls = []
+
+    def between_tokens():
+        calls.append(1)
+        if len(calls) == at:
+            server.staged = (1, new)
+        server.load_staged()
+
+    return between_tokens
+
+
 def make_model(out: Path, arch: str, **overrides) -> Path:
     from megarl.tools.make_tiny_model import make_tiny_model
 

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
+from conftest import stage_at_call
 from megarl.async_rollout.server import RolloutServer
 from megarl.rollout.base import RolloutRequest, SamplingParams
 from megarl.rollout.hf import HFRolloutEngine
@@ -41,15 +42,8 @@ def test_a_response_continued_across_a_weight_update_carries_two_versions(tiny_m
     server = _server(engine)
     server.staged = (0, old)
     server.load_staged()
-    calls = []
-
-    def between_tokens():  # the receiving thread stages version 1 after token 1 (the second) is sampled
-        calls.append(1)
-        if len(calls) == 2:
-            server.staged = (1, new)
-        server.load_staged()
-
-    engine.between_tokens = between_tokens
+    # the receiving thread stages version 1 after token 1 (the second) is sampled
+    engine.between_tokens = stage_at_call(server, new, at=2)
     interrupted = engine.generate(requests, sampling)
     for a, b in zip(uninterrupted, interrupted):
         assert b.versions == [0, 0, 1, 1, 1, 1]

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import stage_at_call
 from megarl.rollout.base import RolloutRequest, SamplingParams
 from vllm_models import greedy, make_vllm_model, perturbed_state, teacher_forced_logprobs, transformers_model
 
@@ -316,15 +317,8 @@ def test_partial_rollout_continues_running_requests_under_the_new_weights(setup,
         uninterrupted = engine.generate(requests, sampling)  # LLM.generate
         assert [r.response_token_ids for r in stepped] == [r.response_token_ids for r in uninterrupted]
         assert all(r.versions == [0] * 6 for r in stepped)
-        steps = []
-
-        def between_tokens():  # the receiving thread stages version 1 after the second step (two tokens each)
-            steps.append(1)
-            if len(steps) == 2:
-                server.staged = (1, new)
-            server.load_staged()
-
-        engine.between_tokens = between_tokens
+        # the receiving thread stages version 1 after the second step (two tokens each)
+        engine.between_tokens = stage_at_call(server, new, at=2)
         interrupted = engine.generate(requests, sampling)
     finally:
         engine.between_tokens = None
