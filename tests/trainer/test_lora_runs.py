@@ -3,20 +3,29 @@ loss to the reference (the actor with its adapters off), log one process's metri
 (sequence parallelism on), pp2 and dp2 (with every offload on); GAE on a MoE model (qwen3_moe, adapters
 on the experts too) at tp2 x ep2 (expert tp 1: the two ranks hold different experts and split attention)
 logs its one-process metrics too. Two launches: the one-process runs in one plain process, the layout runs
-in one torchrun of 2 ranks (tests/trainer/runs_worker.py)."""
+in one torchrun of 2 ranks (tests/trainer/runs_worker.py).
+
+Each launch also saves a run at step 1 and resumes it for step 2 (GRPO at one process, the MoE GAE run at
+tp2 x ep2): the resumed run logs bitwise what the straight 2-step run logs, from checkpoints that hold the
+adapters, the critic's value head and their optimizer state, and no base weight (megarl.engine.adapter_checkpoint)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+from torch.distributed.checkpoint import FileSystemReader
 
 from ppo_helpers import read_metrics, small_run_overrides
 from conftest import torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
+# Constant LR: the cosine schedule spans trainer.total_steps, so the resumed runs' 1-step first segment
+# would otherwise run another schedule than the 2-step runs it is compared with.
 LORA = {"actor.lora.rank": 4, "actor.lora.alpha": 8, "critic.lora.rank": 4, "critic.lora.alpha": 8,
         "actor.optim.lr": 5e-3, "critic.optim.lr": 5e-3, "trainer.total_steps": 2,
+        "actor.optim.schedule": "constant", "critic.optim.schedule": "constant",
         "tracking.loggers": "[jsonl]"}  # no MLflow store to create eight times
 ESTIMATORS = {
     "gae": {"algorithm.adv_estimator": "gae"},
@@ -35,17 +44,36 @@ COMPARED = {
 
 
 def _runs(root, names: list[tuple[str, str]]) -> list[list[str]]:
+    """The runs' overrides; a name (est, "<layout>_resumed") is two runs in one run_dir: step 1, saved,
+    then step 2 from that checkpoint."""
     def layout(lay: str) -> dict:
         if lay.startswith("moe"):  # made on the first start (the one-process launch runs first)
             return {"model.path": root / "moe", "model.make_tiny.arch": "qwen3_moe", **(MOE_LAYOUT if lay == "moe_tp2ep2" else {})}
         return LAYOUTS.get(lay, {})
 
-    return [small_run_overrides(root, root / f"{est}_{lay}", **LORA, **ESTIMATORS[est], **layout(lay)) for est, lay in names]
+    runs = []
+    for est, lay in names:
+        base = lay.removesuffix("_resumed")
+        segments = ({"trainer.total_steps": 1}, {}) if lay != base else ({},)
+        saved = {"trainer.save_every_steps": 1} if lay != base else {}
+        runs += [small_run_overrides(root, root / f"{est}_{lay}", **LORA, **ESTIMATORS[est], **layout(base), **saved, **seg)
+                 for seg in segments]
+    return runs
+
+
+def _assert_adapters_only(role_dir: Path, base_bytes: int) -> None:
+    """Every tensor of the checkpoint is an adapter, a value head or their optimizer state, and the
+    whole directory is well below a full checkpoint's weights + Adam moments (3 x the float32 base)."""
+    keys = list(FileSystemReader(str(role_dir)).read_metadata().state_dict_metadata)
+    assert keys and all(".lora." in k or "output_layer" in k for k in keys if "model." in k), keys
+    assert (role_dir / "base_ref.json").is_file()
+    stored = sum(f.stat().st_size for f in role_dir.rglob("*") if f.is_file())
+    assert stored < 0.5 * 3 * base_bytes, (role_dir, stored, base_bytes)
 
 
 def test_lora_ppo_logs_the_same_metrics_under_every_layout(tmp_path):
-    single = [(est, "single") for est in ESTIMATORS] + [("gae", "moe_single")]
-    parallel = [(est, lay) for est in ESTIMATORS for lay in LAYOUTS] + [("gae", "moe_tp2ep2")]
+    single = [(est, "single") for est in ESTIMATORS] + [("gae", "moe_single"), ("grpo", "single_resumed")]
+    parallel = [(est, lay) for est in ESTIMATORS for lay in LAYOUTS] + [("gae", "moe_tp2ep2"), ("gae", "moe_tp2ep2_resumed")]
     for nproc, names in ((0, single), (2, parallel)):
         spec = tmp_path / f"runs_{nproc}.json"
         spec.write_text(json.dumps(_runs(tmp_path, names)))
@@ -72,3 +100,15 @@ def test_lora_ppo_logs_the_same_metrics_under_every_layout(tmp_path):
     for a, b in zip(moe, moe_tp2ep2, strict=True):
         for k in COMPARED["gae"]:
             assert b[k] == pytest.approx(a[k], rel=1e-3, abs=1e-9), f"moe tp2 x ep2 step {a['step']} {k}: {a[k]} vs {b[k]}"
+
+    # Saved at step 1, resumed for step 2: bitwise the straight run's metrics; the checkpoints hold no base weight.
+    for est, lay, roles in (("grpo", "single", ("actor",)), ("gae", "moe_tp2ep2", ("actor", "critic"))):
+        straight, resumed = read_metrics(tmp_path / f"{est}_{lay}"), read_metrics(tmp_path / f"{est}_{lay}_resumed")
+        assert [r["step"] for r in resumed] == [1, 2]
+        for a, b in zip(straight, resumed, strict=True):
+            for k in COMPARED[est]:
+                assert b[k] == a[k], f"{est} {lay} resumed, step {a['step']} {k}: {a[k]} vs {b[k]}"
+        model = tmp_path / ("moe" if lay.startswith("moe") else "model")
+        base_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+        for role in roles:
+            _assert_adapters_only(tmp_path / f"{est}_{lay}_resumed" / "checkpoints" / "step_00000001" / role, base_bytes)
