@@ -112,3 +112,45 @@ def test_lora_ppo_logs_the_same_metrics_under_every_layout(tmp_path):
         base_bytes = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         for role in roles:
             _assert_adapters_only(tmp_path / f"{est}_{lay}_resumed" / "checkpoints" / "step_00000001" / role, base_bytes)
+
+    # export_hf on an adapter-only checkpoint finds the base through base_ref.json (the run's config is
+    # not read for it): the merged model (default) and the PEFT adapter on that base give one policy
+    _check_exports(tmp_path, tmp_path / "grpo_single_resumed" / "checkpoints" / "step_00000002")
+
+
+def _check_exports(root: Path, ckpt: Path) -> None:
+    import shutil
+
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    import yaml
+
+    config = ckpt.parent.parent / "config.yaml"  # model.path gone: the base can only come from base_ref.json
+    run_config = yaml.safe_load(config.read_text())
+    run_config["model"]["path"] = str(root / "no_such_model")
+    config.write_text(yaml.safe_dump(run_config))
+    torchrun(0, ["-m", "megarl.tools.export_hf", "--ckpt", str(ckpt), "--out", str(root / "merged")])
+    torchrun(0, ["-m", "megarl.tools.export_hf", "--ckpt", str(ckpt), "--out", str(root / "peft"), "--adapter-only"])
+    base = AutoModelForCausalLM.from_pretrained(root / "model", torch_dtype=torch.float32)
+    tokens = torch.randint(0, base.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = base(tokens).logits.log_softmax(-1)
+        merged = AutoModelForCausalLM.from_pretrained(root / "merged", torch_dtype=torch.float32)(tokens).logits.log_softmax(-1)
+        adapted = PeftModel.from_pretrained(base, root / "peft").eval()(tokens).logits.log_softmax(-1)
+    assert (merged - plain).abs().max() > 1e-4  # two steps of adapters moved the policy
+    assert (merged - adapted).abs().max() < 1e-4
+
+    # --model naming another base (one tensor changed) is refused: the adapters were trained on the recorded one
+    other = root / "other_base"
+    shutil.copytree(root / "model", other)
+    tensors = load_file(other / "model.safetensors")
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] * 2
+    save_file(tensors, other / "model.safetensors", metadata={"format": "pt"})
+    refused = torchrun(0, ["-m", "megarl.tools.export_hf", "--ckpt", str(ckpt), "--out", str(root / "refused"),
+                           "--model", str(other)], check=False)
+    assert refused.returncode == 2 and "holds LoRA adapters trained on the base model" in refused.stderr, refused.stderr
+    assert not (root / "refused").exists()
