@@ -2,7 +2,8 @@
 
     run = Run.open(config_path, overrides)  # config checked, process groups, run-directory lock,
                                             # demo data and tiny model, models named by hub id
-    trainer = run.build_trainer()           # the Trainer; where it resumes, what changed in the config
+    trainer = run.build_trainer()           # where it resumes (a LoRA checkpoint's base checked first), the
+                                            # Trainer; what changed in the config
                                             # since, abandoned checkpoints aside, config.yaml, segment record
     run.train(trainer)                      # the tracker, the preemption watch and the heartbeat around
                                             # Trainer.train
@@ -262,7 +263,8 @@ class Run:
 
         if self.start is None:
             return None
-        bases = {"actor": ("model.path", cfg.model.path), "critic": ("critic.model_path", cfg.critic.model_path or cfg.model.path)}
+        critic_key = "critic.model_path" if cfg.critic.model_path else "model.path"
+        bases = {"actor": ("model.path", cfg.model.path), "critic": (critic_key, cfg.critic.model_path or cfg.model.path)}
         for role, (key, model_dir) in bases.items():
             if getattr(cfg, role).lora.rank > 0 and (self.start / role).is_dir():
                 try:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
-from ppo_helpers import read_metrics, small_run_overrides
+from ppo_helpers import launch, read_metrics, small_run_overrides
 from conftest import torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
@@ -56,7 +56,7 @@ def _runs(root, names: list[tuple[str, str]]) -> list[list[str]]:
         base = lay.removesuffix("_resumed")
         segments = ({"trainer.total_steps": 1}, {}) if lay != base else ({},)
         saved = {"trainer.save_every_steps": 1} if lay != base else {}
-        runs += [small_run_overrides(root, root / f"{est}_{lay}", **LORA, **ESTIMATORS[est], **layout(base), **saved, **seg)
+        runs += [small_run_overrides(root, root / f"{est}_{lay}", **{**LORA, **ESTIMATORS[est], **layout(base), **saved, **seg})
                  for seg in segments]
     return runs
 
@@ -116,6 +116,7 @@ def test_lora_ppo_logs_the_same_metrics_under_every_layout(tmp_path):
     # export_hf on an adapter-only checkpoint finds the base through base_ref.json (the run's config is
     # not read for it): the merged model (default) and the PEFT adapter on that base give one policy
     _check_exports(tmp_path, tmp_path / "grpo_single_resumed" / "checkpoints" / "step_00000002")
+    _check_changed_base_refused(tmp_path)
 
 
 def _check_exports(root: Path, ckpt: Path) -> None:
@@ -154,3 +155,22 @@ def _check_exports(root: Path, ckpt: Path) -> None:
                            "--model", str(other)], check=False)
     assert refused.returncode == 2 and "holds LoRA adapters trained on the base model" in refused.stderr, refused.stderr
     assert not (root / "refused").exists()
+
+
+def _check_changed_base_refused(root: Path) -> None:
+    """The base at model.path overwritten (one tensor changed) under a run with LoRA checkpoints: resuming
+    is refused in one line, before any model is built, exit 2 (megarl.run.Run)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = root / "model" / "model.safetensors"
+    tensors = load_file(weights)
+    name = sorted(tensors)[-1]
+    tensors[name] = tensors[name] + 1e-3
+    save_file(tensors, weights, metadata={"format": "pt"})
+    run_dir = root / "grpo_single_resumed"
+    proc = launch(0, small_run_overrides(root, run_dir, **{**LORA, **ESTIMATORS["grpo"], "trainer.save_every_steps": 1,
+                                                           "trainer.total_steps": 3}))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if "holds LoRA adapters trained on the base model" in ln]
+    assert len(lines) == 1 and str(run_dir / "checkpoints" / "step_00000002" / "actor") in lines[0], proc.stderr
+    assert "set model.path to the original base weights" in lines[0] and "resumed from" not in proc.stdout
