@@ -35,8 +35,9 @@ def adapter_sync_reason(engine: str, rank: int, targets, is_moe: bool) -> str | 
         return f"actor.lora.rank {rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}"
     attention = {name for names in ATTENTION_PROJECTIONS.values() for name in names}
     if is_moe and (targets is None or any(t not in attention for t in targets)):
-        # lora.moe_mlp_adapters: no PEFT layout for MoE MLP adapters, so vLLM cannot be handed them
-        return "MLP adapters of a MoE model have no PEFT layout vLLM loads (target attention only for adapter-only sync)"
+        # lora.moe_mlp_adapters: the PEFT export writes them in transformers 5's fused-expert layout
+        # (megarl.models.lora_peft, peft parameter targets), which vLLM's LoRA loader is not known to take
+        return "MLP adapters of a MoE model are not synced to vLLM as a LoRA (target attention only for adapter-only sync)"
     return None
 
 
