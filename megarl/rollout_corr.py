@@ -28,7 +28,7 @@ def apply(rc, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: 
                                f"sampling temperature, which this rollout engine did not return with rollout.top_p / top_k "
                                f"set (vLLM returns them only under its V1 model runner: VLLM_USE_V2_MODEL_RUNNER=0; "
                                f"docs/algorithms.md): use mode=none, or drop the truncation")
-        return Correction(metrics={})
+        return Correction()
     corr = compute_rollout_correction(
         old_logprobs, rollout_logprobs, mask, rc.mode, rollout_is=rc.rollout_is,
         rollout_is_threshold=rc.rollout_is_threshold, rollout_rs_threshold=rc.rollout_rs_threshold,

@@ -15,7 +15,7 @@ name; the names live here only (`StepRecord.critic_batch` / `actor_batch` write 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -55,7 +55,7 @@ class Correction:
 
     weights: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None
-    metrics: dict[str, float] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ def test_none_logs_the_mismatch_without_touching_the_batch():
 
 def test_processed_logprobs_are_refused_by_a_correcting_mode_and_skipped_by_none():
     batch, old, rollout = _batch()
-    assert _apply(batch, old, rollout, raw=False) == Correction(metrics={})
+    assert _apply(batch, old, rollout, raw=False) == Correction()  # no weights, no mask, no metrics
     with pytest.raises(RuntimeError, match="mode=icepop needs the engine's untruncated log-probs"):
         _apply(batch, old, rollout, "algorithm.rollout_correction.mode=icepop", raw=False)
 
