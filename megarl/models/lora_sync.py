@@ -51,11 +51,8 @@ class AdapterSync:
 
     def base_shards(self):
         """The actor's frozen base weights, unmerged (the engine adds the adapters itself)."""
-        from megarl.models.weights import local_weight_shards
-
         a = self.actor
-        a.onload(parts=("params",))
-        shards = local_weight_shards(a.chunks, a.spec, a.dims)
+        shards = a.base_weight_shards()
         if a.spec.tie_embeddings:  # as the trainer's _actor_shards: the engine needs the embedding once
             shards.pop("output_layer.weight", None)
         return shards
@@ -70,9 +67,7 @@ class AdapterSync:
             engine.load_weights(hybrid.stream(self.base_shards()))
             base = dataclasses.replace(hybrid.last_stats)
             self.base_sent = True
-        a = self.actor
-        a.onload(parts=("params",))
-        adapters = lora.full_adapters(a.chunks, a.spec, a.dims)  # collective over the world
+        adapters = self.actor.full_adapters()  # collective over the world
         sent = engine.load_adapter(lora.peft_tensors(adapters), lora.peft_config(self.options, adapters, self.base_model))
         self.last_adapter_bytes = sent
         offload()

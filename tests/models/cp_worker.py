@@ -66,7 +66,7 @@ def logprob_diffs(model_dir: str, layout: dict, budget: int) -> dict:
     lps, ents = hf_reference(model_dir, batch.input_ids)
     dims = dims_from_env(**layout).initialize()
     engine = MegatronEngine(model_dir, dims, EngineConfig(max_tokens_per_microbatch=budget), trainable=False)
-    out = engine.forward_only(batch, want=("logprobs", "entropy"))
+    out = engine.forward_only(batch, entropy=True)
     lp_diff = ent_diff = 0.0
     for i, (seq, p) in enumerate(zip(batch.input_ids, batch.prompt_lens)):
         n = len(seq) - p

@@ -143,7 +143,6 @@ def test_peft_adapter_and_merged_export_give_megarl_logprobs(request, world_of_o
 
     from megarl.engine.engine import EngineConfig, MegatronEngine
     from megarl.models import lora
-    from megarl.models.weights import save_hf_checkpoint
 
     fixture, name, targets = PEFT_EXPORTS[case]
     model_dir = request.getfixturevalue(fixture)[name]
@@ -159,7 +158,7 @@ def test_peft_adapter_and_merged_export_give_megarl_logprobs(request, world_of_o
         with lora.disabled(engine.chunks):
             base_ours = _logprobs(engine.module(tokens, positions, None)[..., : engine.spec.vocab_size], tokens)
     assert (ours - base_ours).abs().max() > 1e-2  # the adapters matter
-    lora.save_peft_adapter(engine.chunks, engine.spec, world_of_one, options, tmp_path / "adapter", str(model_dir))
+    engine.save_peft_adapter(tmp_path / "adapter", str(model_dir))  # what megarl.checkpoint --adapter-only calls
     base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     # every factor loaded, none left at peft's initialisation (B = 0): as many non-zero numbers as
@@ -174,8 +173,7 @@ def test_peft_adapter_and_merged_export_give_megarl_logprobs(request, world_of_o
     print(f"{case}: {len(params)} adapters ({routed} on routed experts), peft vs megarl log-probs {err:.2e}")
     assert err < 1e-4, err
     # the merged export (export_hf's default under LoRA): the same model
-    merged = lora.merged_weights(engine.chunks, engine.spec, world_of_one)
-    save_hf_checkpoint(engine.chunks, engine.spec, world_of_one, tmp_path / "merged", model_dir, overrides=merged)
+    engine.save_hf_checkpoint(tmp_path / "merged", model_dir)  # megarl.checkpoint's export: merged under LoRA
     with torch.no_grad():
         full = _logprobs(AutoModelForCausalLM.from_pretrained(tmp_path / "merged", torch_dtype=torch.float32)(tokens).logits, tokens)
     assert (full - theirs).abs().max() < 1e-4
