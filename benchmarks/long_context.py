@@ -1,6 +1,7 @@
 """Long sequences under context parallelism: per rank, the bytes of activations saved for backward
-and the step time of one actor micro-batch, at cp1, cp2 and tp2 (and tp2 with sequence parallelism
-where the branch has `parallel.sequence_parallel`), as ratios to cp1 measured in one run.
+(all, and the share saved inside the norms) and the step time of one actor micro-batch, at cp1, cp2
+and tp2 without and with sequence parallelism, as ratios to cp1 measured in one run, and tp2 with
+SP over tp2 without (sequence parallelism splits the norms' activations over TP).
 
     torchrun --standalone --nproc_per_node 2 benchmarks/long_context.py \
         --out benchmarks/results/long_context_cpu.json
@@ -34,11 +35,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def saved_bytes_counter(params):
-    """(hooks context, result dict): bytes of distinct non-parameter storages packed for backward."""
+def saved_bytes_counter(params, modules=()):
+    """(hooks context, result dict): bytes of distinct non-parameter storages packed for backward,
+    in all ("bytes") and the share packed inside a norm module ("norm_bytes": the activations
+    sequence parallelism splits over TP; dropout would be the other share, but megarl builds its
+    models with hidden and attention dropout 0, so no dropout mask is saved at all)."""
     param_storages = {p.untyped_storage().data_ptr() for p in params}
     seen: set[int] = set()
-    out = {"bytes": 0}
+    out = {"bytes": 0, "norm_bytes": 0}
+    inside_norm = [0]
+    for m in modules:
+        for sub in m.modules():
+            if isinstance(sub, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+                sub.register_forward_pre_hook(lambda *_: inside_norm.__setitem__(0, inside_norm[0] + 1))
+                sub.register_forward_hook(lambda *_: inside_norm.__setitem__(0, inside_norm[0] - 1))
 
     def pack(t):
         if torch._C._current_graph_task_id() != -1:
@@ -49,6 +59,8 @@ def saved_bytes_counter(params):
         if ptr not in seen and ptr not in param_storages and ptr != 0:
             seen.add(ptr)
             out["bytes"] += storage.nbytes()
+            if inside_norm[0]:
+                out["norm_bytes"] += storage.nbytes()
         return t
 
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), out
@@ -79,7 +91,7 @@ def one_layout(model_dir: str, layout: dict, seq_lens: list[int], rounds: int) -
         def step():
             return engine.train_step(batch, loss_fn, fields=("old_logprobs", "advantages"), num_global=n_global)
 
-        hooks, counted = saved_bytes_counter([p for m in engine.modules for p in m.parameters()])
+        hooks, counted = saved_bytes_counter([p for m in engine.modules for p in m.parameters()], engine.modules)
         with hooks:
             step()  # warm-up, and the count
         times = []
@@ -89,7 +101,8 @@ def one_layout(model_dir: str, layout: dict, seq_lens: list[int], rounds: int) -
             step()
             times.append(time.perf_counter() - start)
         per_rank = [None] * dims.world_size
-        dist.all_gather_object(per_rank, {"saved_activation_bytes": counted["bytes"], "step_seconds": statistics.median(times)})
+        dist.all_gather_object(per_rank, {"saved_activation_bytes": counted["bytes"], "saved_norm_bytes": counted["norm_bytes"],
+                                          "step_seconds": statistics.median(times)})
         out[str(L)] = per_rank
         del engine
     dims.destroy()
@@ -122,9 +135,19 @@ def main() -> int:
     for L in map(str, args.seq_lens):
         base = measured["cp1"][L][0]
         ratios[L] = {name: {"saved_activations": round(max(r["saved_activation_bytes"] for r in m[L]) / base["saved_activation_bytes"], 4),
+                            "saved_norm_activations": round(max(r["saved_norm_bytes"] for r in m[L]) / base["saved_norm_bytes"], 4),
                             "step_time": round(max(r["step_seconds"] for r in m[L]) / max(r["step_seconds"] for r in measured["cp1"][L]), 3)}
                      for name, m in measured.items() if name != "cp1"}
-    result = {"ratios_to_cp1_busiest_rank": ratios, "per_rank": measured, "not_measured": not_measured,
+    # What sequence parallelism itself saves at tp2: its norm share (the dropout share is 0 bytes,
+    # megarl's models have no dropout) and the whole, busiest rank with SP over busiest rank without.
+    sp_vs_no_sp = {}
+    if "tp2_sp" in measured:
+        for L in map(str, args.seq_lens):
+            sp, no_sp = measured["tp2_sp"][L], measured["tp2"][L]
+            sp_vs_no_sp[L] = {key: round(max(r[field] for r in sp) / max(r[field] for r in no_sp), 4)
+                              for key, field in (("saved_activations", "saved_activation_bytes"), ("saved_norm_activations", "saved_norm_bytes"))}
+            sp_vs_no_sp[L]["norm_share_without_sp"] = round(no_sp[0]["saved_norm_bytes"] / no_sp[0]["saved_activation_bytes"], 4)
+    result = {"ratios_to_cp1_busiest_rank": ratios, "tp2_sp_over_tp2_busiest_rank": sp_vs_no_sp, "per_rank": measured, "not_measured": not_measured,
               "model": {"preset": args.preset, "dtype": "float32"},
               "command": "torchrun --standalone --nproc_per_node 2 benchmarks/long_context.py " + " ".join(sys.argv[1:]),
               "device": device_name(), "threads": torch.get_num_threads(), "load_average_1_5_15": list(os.getloadavg()),

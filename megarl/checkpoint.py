@@ -20,9 +20,8 @@ import yaml
 from megarl import hub
 from megarl.checkpoint_io import atomic_dir, cleanup_old_checkpoints, latest_complete_checkpoint, load_plain, step_dir
 from megarl.engine.engine import EngineConfig, MegatronEngine
-from megarl.models import base_ref, lora
+from megarl.models import base_ref
 from megarl.models.lora import LoraOptions
-from megarl.models.weights import save_hf_checkpoint
 from megarl.parallel import dims_from_env
 
 
@@ -134,7 +133,7 @@ def export_hf_main(argv=None) -> int:
     engine.load(str(ckpt / args.role))
     if args.adapter_only:
         try:
-            lora.save_peft_adapter(engine.chunks, engine.spec, dims, options, args.out, model_dir)
+            engine.save_peft_adapter(args.out, model_dir)
         except ValueError as err:
             if dims.rank == 0:
                 print(f"error: {err}", file=sys.stderr)
@@ -144,10 +143,7 @@ def export_hf_main(argv=None) -> int:
         dist.barrier()
         dist.destroy_process_group()
         return 0
-    # under LoRA: the merged model, W + scale * B @ A merged in float32
-    overrides = lora.merged_weights(engine.chunks, engine.spec, dims) if options else None
-    save_hf_checkpoint(engine.chunks, engine.spec, dims, args.out, model_dir, critic=critic, banned_token_ids=banned,
-                       overrides=overrides)
+    engine.save_hf_checkpoint(args.out, model_dir, banned_token_ids=banned)  # under LoRA: the merged model
     if dims.rank == 0:
         suppressed = f" (generation_config.json suppress_tokens {list(banned)}: the run's rollout.banned_token_ids)" if banned and not critic else ""
         print(f"wrote {args.out}{suppressed}")

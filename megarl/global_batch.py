@@ -48,11 +48,11 @@ class GlobalBatch:
     def _sum(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         return all_reduce_host(t, self.dims.dp_group, op=op) if self.dims.dp > 1 else t
 
-    def gather(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Concatenate each tensor's rows over DP ranks, in DP-rank order (= global sample order)."""
+    def gather(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """Each tensor's rows concatenated over DP ranks, in DP-rank order (= global sample order)."""
         if self.dims.dp == 1:
-            return tensors
-        return {k: torch.cat(all_gather_host(t, self.dims.dp_group, self.dims.dp)) for k, t in tensors.items()}
+            return list(tensors)
+        return [torch.cat(all_gather_host(t, self.dims.dp_group, self.dims.dp)) for t in tensors]
 
     def gather_objects(self, obj) -> list:
         """Every DP rank's picklable `obj`, in DP-rank order."""
@@ -99,5 +99,5 @@ class GlobalBatch:
 
     def explained_variance(self, returns: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> float:
         """1 - Var[returns - values] / Var[returns] over valid tokens (verl's critic/vf_explained_var)."""
-        g = self.gather({"r": returns, "v": values, "m": mask})
-        return float(1.0 - masked_var(g["r"] - g["v"], g["m"]) / (masked_var(g["r"], g["m"]) + 1e-8))
+        r, v, m = self.gather(returns, values, mask)
+        return float(1.0 - masked_var(r - v, m) / (masked_var(r, m) + 1e-8))

@@ -18,9 +18,11 @@ and their samples; quantities defined over the whole batch (advantage whitening,
 the KL controller's input) are computed on the all-gathered batch, so every layout computes the
 same numbers.
 
+What a step computes travels in typed, immutable records (megarl.step_record: Scores, Correction,
+StepRecord; the losses read LossInputs / ModelOutputs / Totals), built once by the phase that computes them.
+
 It is long because the Trainer builds the engines and the rollout side as well as running the loop
-and the step's phases with their helpers (generation, scoring, updates, the weight-sync check);
-the step's tensors moving into a typed record (issue 29) is the next cut.
+and the step's phases with their helpers (generation, scoring, updates, the weight-sync check).
 """
 from __future__ import annotations
 
@@ -49,7 +51,6 @@ from megarl.guards import Guards
 from megarl.hybrid.dispatch import DispatchGroups, _all_gather_object, generate_for_training
 from megarl.hybrid.engine import HybridEngine, release_cached_device_memory
 from megarl.hybrid.verify import WeightSyncMismatch, mismatch_message, sync_limits, sync_problem, sync_stats, token_prob_diff
-from megarl.models import moe_routing
 from megarl.models.lora import LoraOptions
 from megarl.models.lora_sync import AdapterSync
 from megarl.models.moe_routing import RouterOptions
@@ -65,6 +66,7 @@ from megarl.rollout.base import RolloutRequest, SamplingParams
 from megarl.rollout.multi_turn import env_rows, episode_metrics, with_environment
 from megarl.samples import RolloutBatch, Sample, id_records, merge_id_records, to_rollout_batch
 from megarl.step_metrics import local_stats, step_metrics
+from megarl.step_record import LossInputs, ModelOutputs, Scores, StepRecord, Totals, fields_of
 
 
 def stop_token_ids(rollout, eos_token_id: int | None) -> tuple[int, ...]:
@@ -189,6 +191,7 @@ class Trainer:
             setup = remote_setup(cfg, separate, dims.rank)
         # rollout.multi_turn.environment: the engine runs one environment episode per sample
         self.rollout = with_environment(setup.engine, r, self.tokenizer, log=log if dims.rank == 0 else None)
+        self.multi_turn = r.multi_turn.environment is not None  # self.rollout is then an EpisodeEngine
         self._setup_moe_routing(cfg)
         self.weight_path = setup.weight_path  # "adapter", "direct" or "full" (megarl.rollout.RolloutSetup)
         # actor.lora into vLLM: the base once, then only the adapters (megarl.models.lora_sync)
@@ -328,26 +331,27 @@ class Trainer:
         with clock("timing_s/old_log_prob"):
             # The policy is the distribution the engine sampled: logits / temperature over the
             # vocabulary without rollout.banned_token_ids, for the actor (old and current) and the reference.
-            out = self.actor.forward_only(batch, want=("logprobs", "entropy"), temperature=self.sampling.temperature,
-                                          banned_token_ids=self.sampling.banned_token_ids)
-            batch.tensors["old_logprobs"], entropy = out["logprobs"], out["entropy"]
-        sync_check = (self._verify_sync(rollout_batch, batch.tensors["old_logprobs"], mask)
+            old = ModelOutputs.of(self.actor.forward_only(batch, entropy=True, temperature=self.sampling.temperature,
+                                                          banned_token_ids=self.sampling.banned_token_ids))
+        sync_check = (self._verify_sync(rollout_batch, old.logprobs, mask)
                       if not async_metrics.get("async/staleness_max") else StepResult({}, []))  # stale samples differ
         # algorithm.rollout_correction: importance weights / rejection between the engine's log-probs
         # (behaviour) and the old log-probs (proximal), for the actor's loss (megarl.rollout_corr)
-        corr_metrics = rollout_corr.apply(alg.rollout_correction, batch, rollout_batch.rollout_logprobs,
-                                          rollout_batch.logprobs_are_scaled, self.global_batch)
+        correction = rollout_corr.apply(alg.rollout_correction, old.logprobs, rollout_batch.rollout_logprobs, mask,
+                                        rollout_batch.logprobs_are_scaled, self.global_batch)
+        ref_logprobs = values = None
         if self.uses_ref:
             with clock("timing_s/ref"):
                 ref = self.ref or self.actor
-                batch.tensors["ref_logprobs"] = ref.forward_only(batch, temperature=self.sampling.temperature,
-                                                                 banned_token_ids=self.sampling.banned_token_ids,
-                                                                 adapters=not self.ref_from_actor)["logprobs"]
+                ref_logprobs = ModelOutputs.of(ref.forward_only(batch, temperature=self.sampling.temperature,
+                                                                banned_token_ids=self.sampling.banned_token_ids,
+                                                                adapters=not self.ref_from_actor)).logprobs
                 if self.ref is not None:
                     self.ref.offload()
         if self.critic is not None:
             with clock("timing_s/values"):
-                batch.tensors["old_values"] = self.critic.forward_only(batch)["values"]
+                values = ModelOutputs.of(self.critic.forward_only(batch)).values
+        scored = Scores(old.logprobs, old.entropy, ref_logprobs, values)
 
         # 4. Rewards: the reward function's score on the last response token, minus the KL penalty.
         with clock("timing_s/reward"):
@@ -355,15 +359,18 @@ class Trainer:
             token_scores = _scores_at_last_token(scores, mask)
             token_rewards, reward_kl = token_scores, 0.0
             if alg.use_kl_in_reward:
-                token_rewards, _ = A.apply_kl_penalty(token_scores, batch.tensors["old_logprobs"], batch.tensors["ref_logprobs"],
+                token_rewards, _ = A.apply_kl_penalty(token_scores, scored.old_logprobs, scored.ref_logprobs,
                                                       mask, self.kl_ctrl.value, alg.kl_penalty)
             if self.uses_ref:
-                kl = A.kl_penalty(batch.tensors["old_logprobs"], batch.tensors["ref_logprobs"], alg.kl_penalty) * mask
+                kl = A.kl_penalty(scored.old_logprobs, scored.ref_logprobs, alg.kl_penalty) * mask
                 reward_kl = self.global_batch.mean(A.masked_mean(kl, mask, dim=-1))
 
         # 5. Advantages and returns over the global batch.
         with clock("timing_s/adv"):
-            self._compute_advantages(rollout_batch, scores, token_rewards, greedy)
+            advantages, returns = self._compute_advantages(rollout_batch, scores, token_rewards, scored.values, greedy)
+        record = StepRecord(batch=batch, response_mask=mask, old_logprobs=scored.old_logprobs, entropy=scored.entropy,
+                            ref_logprobs=scored.ref_logprobs, values=scored.values, scores=scores,
+                            token_rewards=token_rewards, advantages=advantages, returns=returns, correction=correction)
 
         # 6. Update: critic, then actor; each runs ppo_epochs x ppo_mini_batches optimizer steps.
         before = self.guards.before_update(reward_kl)
@@ -372,24 +379,24 @@ class Trainer:
             self.kl_ctrl.raise_coef(2.0)
         if self.critic is not None:
             with clock("timing_s/update_critic"):
-                update.update(self._update_critic(batch))
+                update.update(self._update_critic(record))
         if not before.skip_actor_update and (self.critic is None or actor_updates_at(self.step, cfg.trainer.critic_warmup)):
             with clock("timing_s/update_actor"):
-                update.update(self._update_actor(batch))
+                update.update(self._update_actor(record))
 
         # 7. Control: KL controller, batch statistics (one reduction), guards, metrics.
         if alg.use_kl_in_reward:
             self.kl_ctrl.update(reward_kl, n_steps=cfg.data.prompts_per_step * cfg.rollout.samples_per_prompt)
         batch_stats = self.global_batch.reduce(local_stats(
-            scores=scores, token_rewards=token_rewards, mask=mask, advantages=batch.tensors["advantages"],
-            returns=batch.tensors["returns"], entropy=entropy, prompt_tokens=sum(batch.prompt_lens),
-            max_new_tokens=self.sampling.max_new_tokens, old_values=batch.tensors.get("old_values"),
+            scores=record.scores, token_rewards=record.token_rewards, mask=mask, advantages=record.advantages,
+            returns=record.returns, entropy=record.entropy, prompt_tokens=sum(batch.prompt_lens),
+            max_new_tokens=self.sampling.max_new_tokens, old_values=record.values,
             samples_per_prompt=self.sampling.n,
             overlong_from=self.sampling.max_new_tokens - cfg.reward.overlong_buffer.len if cfg.reward.overlong_buffer.len else None,
-            rollout_prob_diff=token_prob_diff(rollout_batch.rollout_logprobs, batch.tensors["old_logprobs"], mask)))
+            rollout_prob_diff=token_prob_diff(rollout_batch.rollout_logprobs, record.old_logprobs, mask)))
         after = self.guards.after_update(batch_stats["critic/score/mean"], all(math.isfinite(v) for v in update.values()))
         self._apply_guard_actions(after)
-        explained_var = (self.global_batch.explained_variance(batch.tensors["returns"], batch.tensors["old_values"], mask)
+        explained_var = (self.global_batch.explained_variance(record.returns, record.values, mask)
                          if self.critic is not None else None)
         events = sync_check.events + before.events + after.events
         metrics = step_metrics(
@@ -399,7 +406,7 @@ class Trainer:
             memory=_memory_metrics(), resident=self._resident_metrics(resident), timing=timing,
             world_size=self.dims.world_size, explained_var=explained_var, guard_events=events)
         metrics.update(sync_check.metrics)
-        metrics.update(corr_metrics)
+        metrics.update(correction.metrics)
         metrics["training/hybrid_sync_direct"] = float(self.weight_path == "direct")  # 1: shards into vLLM's parameters
         metrics["training/hybrid_sync_adapter"] = float(self.weight_path == "adapter")  # 1: only the LoRA adapters go
         metrics.update(filtered.metrics if filtered else {})
@@ -419,7 +426,7 @@ class Trainer:
         """sampling.n responses to each of this DP rank's prompts, prompt-major. Generation is
         seeded by (seed, step, prompt, sample), so it does not depend on the layout."""
         requests = [RolloutRequest(tuple(p.prompt_ids), prompt_index=p.global_index, step=self.step) for p in prompts]
-        if hasattr(self.rollout, "rows"):  # a multi-turn engine: Environment.reset reads the prompt's row
+        if self.multi_turn:  # an EpisodeEngine: Environment.reset reads the prompt's row
             self.rollout.rows = env_rows(prompts)
         return self._to_samples(prompts, generate_for_training(self.rollout, requests, sampling, self.dispatch), sampling)
 
@@ -480,100 +487,100 @@ class Trainer:
         return shards
 
     def _compute_advantages(self, rollout_batch: RolloutBatch, scores: torch.Tensor, token_rewards: torch.Tensor,
-                            greedy: list[Sample] | None = None) -> None:
-        """Advantages and returns on the all-gathered global batch, then this rank's rows (`greedy`:
-        ReMax's one greedy response per prompt, generated with the samples)."""
+                            values: torch.Tensor | None, greedy: list[Sample] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n, R] advantages and returns of this rank's rows, computed on the all-gathered global
+        batch (`values`: the critic's, GAE; `greedy`: ReMax's one greedy response per prompt,
+        generated with the samples)."""
         alg, batch = self.cfg.algorithm, rollout_batch.batch
         mask = batch.response_mask
-        gathered = self.global_batch.gather({
-            "mask": mask, "rewards": token_rewards, "scores": scores, "groups": rollout_batch.group_ids.float(),
-            **({"values": batch.tensors["old_values"]} if self.critic is not None else {})})
+        g_mask, g_rewards, g_scores, g_groups, *g_values = self.global_batch.gather(
+            mask, token_rewards, scores, rollout_batch.group_ids.float(), *([values] if values is not None else []))
         if alg.adv_estimator == "gae":
-            advantages, returns = A.compute_gae(gathered["rewards"], gathered["values"], gathered["mask"], alg.gamma, alg.lam)
-            advantages = A.masked_whiten(advantages, gathered["mask"])
+            advantages, returns = A.compute_gae(g_rewards, g_values[0], g_mask, alg.gamma, alg.lam)
+            advantages = A.masked_whiten(advantages, g_mask)
         elif alg.adv_estimator == "grpo":
-            advantages = A.compute_grpo_advantages(gathered["scores"], gathered["groups"].long(), gathered["mask"],
-                                                   norm_by_std=alg.norm_adv_by_std_in_grpo)
+            advantages = A.compute_grpo_advantages(g_scores, g_groups.long(), g_mask, norm_by_std=alg.norm_adv_by_std_in_grpo)
             returns = advantages
         elif alg.adv_estimator == "rloo":
-            advantages = A.compute_rloo_advantages(gathered["scores"], gathered["groups"].long(), gathered["mask"])
+            advantages = A.compute_rloo_advantages(g_scores, g_groups.long(), g_mask)
             returns = advantages
         elif alg.adv_estimator == "reinforce_plus_plus":
-            advantages, returns = A.compute_reinforce_pp_advantages(gathered["rewards"], gathered["mask"], alg.gamma)
+            advantages, returns = A.compute_reinforce_pp_advantages(g_rewards, g_mask, alg.gamma)
         else:  # remax: baseline = score of a greedy response to the same prompt
-            baseline = self.global_batch.gather({"baseline": self._greedy_baseline(greedy)})["baseline"]
-            advantages = A.compute_remax_advantages(gathered["scores"], baseline, gathered["mask"])
+            (baseline,) = self.global_batch.gather(self._greedy_baseline(greedy))
+            advantages = A.compute_remax_advantages(g_scores, baseline, g_mask)
             returns = advantages
         first = self.global_batch.offset(len(batch))
-        batch.tensors["advantages"] = advantages[first : first + len(batch)] * mask
-        batch.tensors["returns"] = returns[first : first + len(batch)] * mask
+        return advantages[first : first + len(batch)] * mask, returns[first : first + len(batch)] * mask
 
     def _greedy_baseline(self, greedy: list[Sample]) -> torch.Tensor:
         """[m] ReMax's baseline: the score of one greedy response per prompt, repeated for its samples."""
         return torch.tensor(self._score(greedy), dtype=torch.float32).repeat_interleave(self.sampling.n)
 
-    def _update_critic(self, batch: SequenceBatch) -> dict[str, float]:
+    def _update_critic(self, record: StepRecord) -> dict[str, float]:
         """Clipped value loss; critic.ppo_epochs x critic.ppo_mini_batches optimizer steps."""
         critic_cfg = self.cfg.critic
+        response_len = record.batch.response_len
 
         def loss_fn(out, mb, totals):
-            loss, metrics = A.value_loss(out["values"], mb["old_values"], mb["returns"], mb["response_mask"], critic_cfg.vf_clip,
-                                         agg=critic_cfg.loss_agg_mode,
-                                         **_agg_totals(totals, critic_cfg.loss_agg_mode, batch.response_len))
-            return loss, {**metrics, "critic/vf_loss": _local_loss_value(loss, totals, mb)}
+            o, x, t = ModelOutputs.of(out), LossInputs.of(mb), Totals.of(totals)
+            loss, metrics = A.value_loss(o.values, x.old_values, x.returns, x.response_mask, critic_cfg.vf_clip,
+                                         agg=critic_cfg.loss_agg_mode, **_agg_totals(t, critic_cfg.loss_agg_mode, response_len))
+            return loss, {**metrics, "critic/vf_loss": _local_loss_value(loss, t, x)}
 
         # for epoch in ppo_epochs: for mini_batch in ppo_mini_batches: forward/backward its micro-batches, optimizer step
-        stats = self.critic.train_step(batch, loss_fn, fields=("old_values", "returns"), epochs=critic_cfg.ppo_epochs,
+        batch = record.critic_batch()
+        stats = self.critic.train_step(batch, loss_fn, fields=fields_of(batch), epochs=critic_cfg.ppo_epochs,
                                        mini_batches=critic_cfg.ppo_mini_batches, shuffle_seed=self._shuffle_seed(1),
                                        skip_grad_norm_above=self.cfg.guards.grad_norm_threshold or None)
         self.critic.offload()
         return {**stats.metrics, "critic/grad_norm": _mean(stats.grad_norms), "critic/lr": self.critic.lr,
                 "critic/skipped_steps": float(stats.skipped_steps)}
 
-    def _update_actor(self, batch: SequenceBatch) -> dict[str, float]:
+    def _update_actor(self, record: StepRecord) -> dict[str, float]:
         """Clipped surrogate (or GSPO), dual clip, entropy bonus, KL loss; actor.ppo_epochs x
         actor.ppo_mini_batches optimizer steps."""
         actor_cfg = self.cfg.actor
         agg_mode = actor_cfg.loss_agg_mode
         clip_low = actor_cfg.clip_ratio_low if actor_cfg.clip_ratio_low is not None else actor_cfg.clip_ratio
         clip_high = actor_cfg.clip_ratio_high if actor_cfg.clip_ratio_high is not None else actor_cfg.clip_ratio
-        fields = (("old_logprobs", "advantages") + (("ref_logprobs",) if actor_cfg.use_kl_loss else ())
-                  + rollout_corr.actor_fields(batch))
-        want = ("logprobs", "entropy") if actor_cfg.entropy_coeff > 0 else ("logprobs",)
+        response_len = record.batch.response_len
 
         def loss_fn(out, mb, totals):
-            mask = mb["response_mask"]
-            agg = _agg_totals(totals, agg_mode, batch.response_len)
+            o, x, t = ModelOutputs.of(out), LossInputs.of(mb), Totals.of(totals)
+            mask = x.response_mask
+            agg = _agg_totals(t, agg_mode, response_len)
             if actor_cfg.policy_loss == "gspo":
                 # GSPO clips a sequence-level ratio: its own bounds (clip_ratio_low/high, GSPO's 3e-4 / 4e-4
                 # when unset); PPO's clip_ratio and dual clip do not apply (validation refuses them)
-                pg_loss, metrics = A.gspo_policy_loss(out["logprobs"], mb["old_logprobs"], mb["advantages"], mask, agg=agg_mode,
-                                                      rollout_is_weights=mb.get(rollout_corr.WEIGHTS), **_gspo_clip(actor_cfg), **agg)
+                pg_loss, metrics = A.gspo_policy_loss(o.logprobs, x.old_logprobs, x.advantages, mask, agg=agg_mode,
+                                                      rollout_is_weights=x.rollout_is_weights, **_gspo_clip(actor_cfg), **agg)
             else:
-                pg_loss, metrics = A.policy_loss(out["logprobs"], mb["old_logprobs"], mb["advantages"], mask,
+                pg_loss, metrics = A.policy_loss(o.logprobs, x.old_logprobs, x.advantages, mask,
                                                  clip_ratio_low=clip_low, clip_ratio_high=clip_high,
                                                  clip_ratio_c=actor_cfg.clip_ratio_c, agg=agg_mode,
-                                                 rollout_is_weights=mb.get(rollout_corr.WEIGHTS), **agg)
+                                                 rollout_is_weights=x.rollout_is_weights, **agg)
             loss = pg_loss
-            metrics = {**metrics, "actor/pg_loss": _local_loss_value(pg_loss, totals, mb)}
+            metrics = {**metrics, "actor/pg_loss": _local_loss_value(pg_loss, t, x)}
             if actor_cfg.entropy_coeff > 0:
-                entropy = A.agg_loss(out["entropy"], mask, agg_mode, **agg)
+                entropy = A.agg_loss(o.entropy, mask, agg_mode, **agg)
                 loss = loss - actor_cfg.entropy_coeff * entropy
             if actor_cfg.use_kl_loss:
-                kl = A.agg_loss(A.kl_penalty(out["logprobs"], mb["ref_logprobs"], actor_cfg.kl_loss_type), mask, agg_mode, **agg)
+                kl = A.agg_loss(A.kl_penalty(o.logprobs, x.ref_logprobs, actor_cfg.kl_loss_type), mask, agg_mode, **agg)
                 loss = loss + actor_cfg.kl_loss_coef * kl
-                metrics["actor/kl_loss"] = _local_loss_value(kl, totals, mb)
+                metrics["actor/kl_loss"] = _local_loss_value(kl, t, x)
             return loss, metrics
 
         # for epoch in ppo_epochs: for mini_batch in ppo_mini_batches: forward/backward its micro-batches, optimizer step
-        stats = self.actor.train_step(rollout_corr.actor_batch(batch), loss_fn, fields=fields, epochs=actor_cfg.ppo_epochs,
-                                      mini_batches=actor_cfg.ppo_mini_batches, shuffle_seed=self._shuffle_seed(0), want=want,
+        batch = record.actor_batch(kl_loss=actor_cfg.use_kl_loss)
+        stats = self.actor.train_step(batch, loss_fn, fields=fields_of(batch), epochs=actor_cfg.ppo_epochs,
+                                      mini_batches=actor_cfg.ppo_mini_batches, shuffle_seed=self._shuffle_seed(0),
+                                      entropy=actor_cfg.entropy_coeff > 0,
                                       temperature=self.sampling.temperature, banned_token_ids=self.sampling.banned_token_ids,
                                       skip_grad_norm_above=self.cfg.guards.grad_norm_threshold or None)
-        aux_loss = moe_routing.aux_loss_metric(self.actor.chunks, self.dims)  # None unless actor.moe_aux_loss_coeff > 0
         self.actor.offload()
         return {**stats.metrics, "actor/grad_norm": _mean(stats.grad_norms), "actor/skipped_steps": float(stats.skipped_steps),
-                **({"actor/moe_aux_loss": aux_loss} if aux_loss is not None else {})}
+                **({"actor/moe_aux_loss": stats.moe_aux_loss} if stats.moe_aux_loss is not None else {})}
 
     # --- checks, guards, offload -----------------------------------------------------------------
     def _verify_sync(self, rollout_batch: RolloutBatch, actor_logprobs: torch.Tensor, mask: torch.Tensor) -> StepResult:
@@ -680,17 +687,17 @@ def _scores_at_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     return token
 
 
-def _agg_totals(totals: dict, mode: str, response_len: int) -> dict:
-    return {"global_tokens": totals["tokens"], "global_seqs": totals["seqs"],
+def _agg_totals(totals: Totals, mode: str, response_len: int) -> dict:
+    return {"global_tokens": totals.tokens, "global_seqs": totals.seqs,
             "loss_scale_factor": float(response_len) if mode == "seq-mean-token-sum-norm" else None}
 
 
-def _local_loss_value(loss: torch.Tensor, totals: dict, mb: dict) -> torch.Tensor:
+def _local_loss_value(loss: torch.Tensor, totals: Totals, inputs: LossInputs) -> torch.Tensor:
     """A micro-batch's loss contribution expressed per token of the micro-batch, so that the
     engine's token-weighted average over micro-batches gives back the mini-batch loss. A float64
     tensor (no host sync; the engine reads the step's metrics once): the same arithmetic as in floats.
     The token count is the micro-batch's, counted on the host when it was built."""
-    return loss.detach().double() * float(totals["tokens"]) / max(mb["response_tokens"], 1.0)
+    return loss.detach().double() * float(totals.tokens) / max(inputs.response_tokens, 1.0)
 
 
 # MegatronEngine.state_bytes parts -> metric names

@@ -29,7 +29,7 @@ from megarl.models.lora import LoraOptions
 from megarl.models.moe_routing import RouterOptions
 from megarl.models.sequence_parallel import sequence_multiple
 from megarl.models.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
-from megarl.models.weights import export_hf, local_weight_shards, unwrap
+from megarl.models.weights import export_hf, local_weight_shards, save_hf_checkpoint, unwrap
 from megarl.parallel import ParallelDims, all_reduce_host, broadcast_host
 from megarl.platform import host_allocator
 from megarl.platform.cpu_compat import backward_without_device_rewrite, device_rewrite_paused
@@ -66,7 +66,8 @@ class EngineConfig:
 #   outputs: {"logprobs"|"entropy"|"values": [b, response_len]}; micro_batch_tensors: the batch's
 #   per-token fields for these rows; totals: {"tokens", "seqs"} of the whole mini-batch.
 #   A metric value is a float or a 0-d tensor: tensors are summed where they are and read once per
-#   train_step (no host synchronisation inside the loss).
+#   train_step (no host synchronisation inside the loss). The trainer's losses read the three as
+#   typed records (megarl.step_record: ModelOutputs.of, LossInputs.of, Totals.of).
 LossFn = Callable[[dict, dict, dict], tuple[torch.Tensor, dict[str, "float | torch.Tensor"]]]
 
 
@@ -102,6 +103,9 @@ class TrainStats:
     grad_norms: list[float] = field(default_factory=list)
     skipped_steps: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # MoE: the auxiliary load-balancing loss (without its coefficient) averaged over MoE layers,
+    # forwards and DP ranks since the last train_step (megarl.models.moe_routing); None when off
+    moe_aux_loss: float | None = None
 
 
 class MegatronEngine:
@@ -258,7 +262,7 @@ class MegatronEngine:
         """A small host tensor reduced over the data-parallel group."""
         return all_reduce_host(t, self.dims.dp_group, op=op) if self.dims.dp > 1 else t
 
-    def _outputs(self, model_output: torch.Tensor, mb: dict, want: tuple[str, ...], temperature: float,
+    def _outputs(self, model_output: torch.Tensor, mb: dict, entropy: bool, temperature: float,
                  banned_token_ids: tuple[int, ...]) -> dict[str, torch.Tensor]:
         """Per-response-token outputs [rows, response_len] from the last stage's model output
         ([b, s, ...]; `positions` index its flattened b*s positions). Log-probs and entropy are those
@@ -289,29 +293,29 @@ class MegatronEngine:
         # Masked slots (past a response's end, filler rows of pad tokens) may target a banned token,
         # whose log-prob is about -3e38: zero them so no loss term (a squared log-ratio) overflows.
         out = {"logprobs": torch.where(mb["response_mask"].to(logprobs.device) > 0, logprobs, 0.0)}
-        if "entropy" in want:
+        if entropy:
             out["entropy"] = spread(vocab_parallel_entropy(resp_logits, tp_group, **vocab))
         return out
 
     # --- forward only ---------------------------------------------------------------------------------
-    def forward_only(self, batch: SequenceBatch, want: tuple[str, ...] = ("logprobs",), temperature: float = 1.0,
+    def forward_only(self, batch: SequenceBatch, entropy: bool = False, temperature: float = 1.0,
                      banned_token_ids: tuple[int, ...] = (), adapters: bool = True) -> dict[str, torch.Tensor]:
-        """Per-response-token log-probs (and entropy) or values, [n, response_len], on every rank.
+        """Per-response-token log-probs (and the entropy, if `entropy`) or values, [n, response_len], on every rank.
         temperature and banned_token_ids: the rollout's, so the log-probs are of the distribution it sampled.
         adapters=False: the base model under LoRA (the reference policy without a second model)."""
         if adapters or self.lora is None:
-            return self._forward_only(batch, want, temperature, banned_token_ids)
+            return self._forward_only(batch, entropy, temperature, banned_token_ids)
         with lora.disabled(self.chunks):
-            return self._forward_only(batch, want, temperature, banned_token_ids)
+            return self._forward_only(batch, entropy, temperature, banned_token_ids)
 
-    def _forward_only(self, batch, want, temperature, banned_token_ids) -> dict[str, torch.Tensor]:
+    def _forward_only(self, batch, entropy, temperature, banned_token_ids) -> dict[str, torch.Tensor]:
         self.onload()
         self._set_mode(train=False)
         rows = list(range(len(batch)))
         micro_batches = self._micro_batches(batch, rows)
 
         def compute(output, mb):
-            return {k: v.detach().float().cpu() for k, v in self._outputs(output, mb, want, temperature, banned_token_ids).items()}
+            return {k: v.detach().float().cpu() for k, v in self._outputs(output, mb, entropy, temperature, banned_token_ids).items()}
 
         results = pipeline_forward(self.chunks, self.dims, micro_batches, compute)
         merged = {k: torch.zeros(len(batch), batch.response_len) for k in results[0]}
@@ -333,7 +337,7 @@ class MegatronEngine:
         mini_batches: int = 1,
         num_global: int | None = None,
         shuffle_seed: int = 0,
-        want: tuple[str, ...] = ("logprobs",),
+        entropy: bool = False,
         temperature: float = 1.0,
         banned_token_ids: tuple[int, ...] = (),
         skip_grad_norm_above: float | None = None,
@@ -343,7 +347,9 @@ class MegatronEngine:
         Mini-batches are drawn from one permutation of the *global* sample indices per epoch, so
         every layout forms the same mini-batches; each rank trains on its own rows of them.
         A step whose gradient norm is not finite or exceeds `skip_grad_norm_above` is skipped.
-        temperature and banned_token_ids define the policy's distribution, as in forward_only.
+        temperature and banned_token_ids define the policy's distribution, as in forward_only;
+        entropy: the loss's outputs carry the entropy too. The MoE auxiliary loss of the step's
+        forwards is in the returned stats (collective over PP and DP when it is on).
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -373,7 +379,7 @@ class MegatronEngine:
 
                 def loss_func(mb, output):
                     with device_rewrite_paused(dense):  # megarl's own code: it names no CUDA device
-                        outputs = self._outputs(output, mb, want, temperature, banned_token_ids)
+                        outputs = self._outputs(output, mb, entropy, temperature, banned_token_ids)
                         loss, metrics = loss_fn(outputs, mb, totals)
                     weight = mb["response_tokens"]  # counted on the host when the micro-batch was built
                     reduced.append({"weight": weight, **{m: _weighted(v, weight) for m, v in metrics.items()}})
@@ -408,6 +414,8 @@ class MegatronEngine:
                     for m, v in entry.items():
                         metric_sums[m] = metric_sums.get(m, 0.0) + v
         stats.metrics = self._reduce_metrics(metric_sums, metric_weight)
+        # every forward since the last read: this step's and the forward_only calls before it
+        stats.moe_aux_loss = moe_routing.aux_loss_metric(self.chunks, self.dims)
         return stats
 
     def _optimizer_step(self, skip_above: float | None, stats: TrainStats) -> float:
@@ -485,6 +493,28 @@ class MegatronEngine:
         self.onload(parts=("params",))
         shards = local_weight_shards(self.chunks, self.spec, self.dims)
         return lora.merged_shards(self.chunks, self.spec, self.dims, shards) if self.lora else shards
+
+    def base_weight_shards(self):
+        """As local_weight_shards, without merging the adapters: the frozen base under LoRA
+        (megarl.models.lora_sync sends it once; the engine applies the adapters itself)."""
+        self.onload(parts=("params",))
+        return local_weight_shards(self.chunks, self.spec, self.dims)
+
+    def full_adapters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """The whole LoRA adapters on every rank, by HF module name: (A, B) (collective over the world)."""
+        self.onload(parts=("params",))
+        return lora.full_adapters(self.chunks, self.spec, self.dims)
+
+    def save_peft_adapter(self, out_dir, base_model: str) -> dict[str, int]:
+        """This engine's LoRA adapters as a PEFT adapter directory (megarl.models.lora.save_peft_adapter)."""
+        return lora.save_peft_adapter(self.chunks, self.spec, self.dims, self.lora, out_dir, base_model)
+
+    def save_hf_checkpoint(self, out_dir, source_dir, banned_token_ids=()) -> None:
+        """An HF model directory of this engine's weights (under LoRA the merged model, W + scale *
+        B @ A merged in float32); collective, rank 0 writes (megarl.models.weights.save_hf_checkpoint)."""
+        overrides = lora.merged_weights(self.chunks, self.spec, self.dims) if self.lora else None
+        save_hf_checkpoint(self.chunks, self.spec, self.dims, out_dir, source_dir, critic=self.value_head,
+                           banned_token_ids=banned_token_ids, overrides=overrides)
 
     # --- offload ----------------------------------------------------------------------------------------------
     def offload(self) -> dict[str, int]:

@@ -415,7 +415,8 @@ def full_adapters(chunks, spec, dims) -> dict[str, tuple[torch.Tensor, torch.Ten
 def peft_config(options: LoraOptions, modules, base_model: str) -> dict:
     """PEFT's adapter_config.json for adapters on `modules` (full HF module names, not projection
     names: PEFT turns bare MoE names (gate_proj, ...) into targets on transformers' fused experts
-    and then skips the dense and shared-expert MLPs)."""
+    and then skips the dense and shared-expert MLPs; a MoE model's MLP adapters are parameter
+    targets instead, megarl.models.lora_peft)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model),
             "r": options.rank, "lora_alpha": options.alpha, "lora_dropout": options.dropout,
             "target_modules": sorted(modules), "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
@@ -434,33 +435,47 @@ def peft_tensors(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict
 
 
 def moe_mlp_adapters(adapters, spec) -> list[str]:
-    """MLP adapters of a MoE model: no PEFT layout for them (peft 0.21 with transformers 5 maps
-    every gate_proj / up_proj / down_proj target of a MoE model onto transformers' fused expert
-    tensors, so dense, shared-expert and routed-expert MLP adapters alike would be dropped or
-    misplaced on load), hence neither a PEFT export nor an adapter-only sync."""
-    return [n for n in adapters if spec.is_moe and ".mlp." in n]
+    """MLP adapters of a MoE model: the adapter-only sync to vLLM does not take them (its layout for
+    MoE LoRA is unverified here); the PEFT export writes them in transformers 5's fused-expert
+    layout (megarl.models.lora_peft), which only peft loads."""
+    return [n for n in adapters if spec.is_moe and ".self_attn." not in n]  # Mixtral's: block_sparse_moe
+
+
+def _fused_experts() -> bool:
+    """transformers 5 fuses a MoE layer's experts into 3-D parameters; 4.x keeps one nn.Linear per
+    expert (experts.N.gate_proj), which PEFT adapts as modules like any dense linear."""
+    import transformers
+
+    return int(transformers.__version__.split(".")[0]) >= 5
 
 
 def save_peft_adapter(chunks, spec, dims, options: LoraOptions, out_dir, base_model: str) -> dict[str, int]:
     """A PEFT adapter directory (adapter_config.json + adapter_model.safetensors) that
     `peft.PeftModel.from_pretrained(<base HF model>, out_dir)` loads: the names are the HF modules'
-    (`base_model.model.<module>.lora_A.weight`), never Megatron's fused ones. Collective; rank 0 writes.
-    MLP adapters of MoE models are refused (moe_mlp_adapters; export the merged model instead)."""
+    (`base_model.model.<module>.lora_A.weight`), never Megatron's fused ones. MLP adapters of a MoE
+    model go in transformers 5's fused-expert layout (megarl.models.lora_peft). Collective; rank 0 writes."""
     import json
     from pathlib import Path
 
     from safetensors.torch import save_file
 
     tensors = full_adapters(chunks, spec, dims)
-    mlp = moe_mlp_adapters(tensors, spec)
-    if mlp:
-        raise ValueError(f"--adapter-only: MLP adapters of a MoE model ({mlp[0]}, ...) have no PEFT layout (peft maps them "
-                         f"onto transformers' fused experts); export the merged model (the default) or target attention only")
+    if moe_mlp_adapters(tensors, spec) and _fused_experts():
+        from megarl.models.lora_peft import moe_layout
+
+        layout = moe_layout(tensors, spec, options.rank, options.alpha)
+        state = layout["tensors"]
+        config = peft_config(options, layout["target_modules"], base_model)
+        # peft's ParamWrapper refuses dropout (x cannot be factored out of a parametrized weight);
+        # dropout is the identity at inference, so the loaded model computes the same
+        config.update(target_parameters=layout["target_parameters"], rank_pattern=layout["rank_pattern"],
+                      alpha_pattern=layout["alpha_pattern"], lora_dropout=0.0)
+    else:
+        state, config = peft_tensors(tensors), peft_config(options, tensors, base_model)
     if dims.rank == 0:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        save_file(peft_tensors(tensors), str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-        config = peft_config(options, tensors, base_model)
+        save_file(state, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
         (out / "adapter_config.json").write_text(json.dumps(config, indent=1) + "\n")
     if dist.is_initialized():
         dist.barrier()

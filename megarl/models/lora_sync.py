@@ -35,8 +35,9 @@ def adapter_sync_reason(engine: str, rank: int, targets, is_moe: bool) -> str | 
         return f"actor.lora.rank {rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}"
     attention = {name for names in ATTENTION_PROJECTIONS.values() for name in names}
     if is_moe and (targets is None or any(t not in attention for t in targets)):
-        # lora.moe_mlp_adapters: no PEFT layout for MoE MLP adapters, so vLLM cannot be handed them
-        return "MLP adapters of a MoE model have no PEFT layout vLLM loads (target attention only for adapter-only sync)"
+        # lora.moe_mlp_adapters: the PEFT export writes them in transformers 5's fused-expert layout
+        # (megarl.models.lora_peft, peft parameter targets), which vLLM's LoRA loader is not known to take
+        return "MLP adapters of a MoE model are not synced to vLLM as a LoRA (target attention only for adapter-only sync)"
     return None
 
 
@@ -50,11 +51,8 @@ class AdapterSync:
 
     def base_shards(self):
         """The actor's frozen base weights, unmerged (the engine adds the adapters itself)."""
-        from megarl.models.weights import local_weight_shards
-
         a = self.actor
-        a.onload(parts=("params",))
-        shards = local_weight_shards(a.chunks, a.spec, a.dims)
+        shards = a.base_weight_shards()
         if a.spec.tie_embeddings:  # as the trainer's _actor_shards: the engine needs the embedding once
             shards.pop("output_layer.weight", None)
         return shards
@@ -69,9 +67,7 @@ class AdapterSync:
             engine.load_weights(hybrid.stream(self.base_shards()))
             base = dataclasses.replace(hybrid.last_stats)
             self.base_sent = True
-        a = self.actor
-        a.onload(parts=("params",))
-        adapters = lora.full_adapters(a.chunks, a.spec, a.dims)  # collective over the world
+        adapters = self.actor.full_adapters()  # collective over the world
         sent = engine.load_adapter(lora.peft_tensors(adapters), lora.peft_config(self.options, adapters, self.base_model))
         self.last_adapter_bytes = sent
         offload()

@@ -151,6 +151,14 @@ class RolloutEngine(Protocol):
     def close(self) -> None: ...
 
 
+class EpisodeEngine(RolloutEngine, Protocol):
+    """A RolloutEngine that runs rollout.multi_turn environment episodes (megarl.rollout.multi_turn
+    `with_environment`: MultiTurnRollout, or separate placement's RemoteRollout, whose server runs them)."""
+
+    # global prompt index -> the prompt's dataset row (what Environment.reset reads), set before generate
+    rows: dict[int, dict]
+
+
 _SEED_MASK = (1 << 63) - 1
 
 

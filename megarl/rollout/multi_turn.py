@@ -29,7 +29,8 @@ from typing import Any, Callable, Iterable, Sequence
 from megarl.agents.chat import ChatTurns
 from megarl.agents.environment import Turn
 from megarl.agents.tools import ToolExecutor
-from megarl.rollout.base import RolloutRequest, RolloutResult, SampleSpec, SamplingParams, expand_samples, make_sample_seed
+from megarl.rollout.base import (EpisodeEngine, RolloutEngine, RolloutRequest, RolloutResult, SampleSpec, SamplingParams,
+                                 expand_samples, make_sample_seed)
 from megarl.rewards.decode import response_text
 
 
@@ -265,7 +266,7 @@ def _unpack(outcome) -> tuple[str | None, float | None, bool]:
     return observation, reward, bool(done)
 
 
-def with_environment(engine, rollout_cfg, tokenizer, log=None):
+def with_environment(engine: RolloutEngine, rollout_cfg, tokenizer, log=None) -> RolloutEngine | EpisodeEngine:
     """The engine itself, or a MultiTurnRollout over it when rollout.multi_turn.environment is set
     (its class imported now: a bad name fails before any step). A remote engine (separate
     placement's RemoteRollout) is returned itself, set to send prompt rows: its server wraps the

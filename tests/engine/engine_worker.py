@@ -117,8 +117,8 @@ def run_role(args, dims, critic: bool, mode: str) -> dict:
         engine.load(args.ckpt)
     if mode == "banned":  # the whole batch on every DP rank: forward_only needs no split
         full = global_batch(0)
-        result["banned"] = engine.forward_only(full, want=("logprobs", "entropy"), temperature=0.7, banned_token_ids=banned_ids())
-        result["free"] = engine.forward_only(full, want=("logprobs", "entropy"), temperature=0.7)
+        result["banned"] = engine.forward_only(full, entropy=True, temperature=0.7, banned_token_ids=banned_ids())
+        result["free"] = engine.forward_only(full, entropy=True, temperature=0.7)
     if mode != "clip":
         stats = update(engine, dims, 1 if mode == "resume" else 0, critic, banned_ids() if mode == "banned" else ())
         result["grad_norms"] += stats.grad_norms

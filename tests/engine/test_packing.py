@@ -47,7 +47,7 @@ def test_packed_forward_matches_transformers_per_sequence(family, tiny_models, w
         # A 24-token budget splits the batch into several micro-batches either way.
         engine = MegatronEngine(str(tiny_models[family]), world_of_one,
                                 EngineConfig(max_tokens_per_microbatch=24, sequence_packing=packing), trainable=False)
-        got = engine.forward_only(batch, want=("logprobs", "entropy"))
+        got = engine.forward_only(batch, entropy=True)
         for key in ("logprobs", "entropy"):
             torch.testing.assert_close(got[key], expected[key], rtol=0, atol=2e-5, msg=f"{key}, packing={packing}")
 
@@ -88,7 +88,7 @@ def test_length_groups_are_computed_once_per_micro_batch(tiny_models, world_of_o
     engine = MegatronEngine(str(tiny_models["llama"]), world_of_one,
                             EngineConfig(max_tokens_per_microbatch=4096, sequence_packing=True), trainable=False)
     assert engine.spec.num_layers >= 2
-    got = engine.forward_only(batch, want=("logprobs",))
+    got = engine.forward_only(batch, )
     assert len(calls) == 1  # one micro-batch (the budget holds the whole batch), every layer reuses it
     expected = hf_reference(tiny_models["llama"], batch)
     torch.testing.assert_close(got["logprobs"], expected["logprobs"], rtol=0, atol=2e-5)

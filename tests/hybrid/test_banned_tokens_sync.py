@@ -67,7 +67,7 @@ def test_entropy_is_over_the_allowed_vocabulary(engines):
     results = hf.generate([RolloutRequest(p, i) for i, p in enumerate(PROMPTS)],
                           SamplingParams(n=1, temperature=1.0, max_new_tokens=4, seed=1, banned_token_ids=banned))
     batch, _, mask = _batch(results, 4)
-    got = actor.forward_only(batch, want=("logprobs", "entropy"), banned_token_ids=banned)["entropy"]
+    got = actor.forward_only(batch, entropy=True, banned_token_ids=banned)["entropy"]
     # transformers' logits of the same positions, banned columns at -inf
     want = torch.zeros_like(got)
     with torch.no_grad():

@@ -6,12 +6,13 @@ group lifetime (groups rebuilt per layout). With 2 ranks:
             computed here (float32);
   update    one critic and one actor update (tests/engine/engine_worker.py's fixed batch and losses)
             at cp2 and at dp2 (= one process, tests/engine): grad norms, metrics, exported weights;
+  grads     one actor update of each of --grad-models (a MoE and an MLA family) at cp2 and at dp2.
   ckpt      the cp2 actor's distributed checkpoint after that update, loaded by the dp2 actor
             (exported weights bit-equal to the saved ones), then a second update on each side
             (the cp2 one continuing), which must agree.
   cli       `megarl.tools.logprobs --cp 2` on --models[0] (it ends the process group), with --cli-dir.
 With 4 ranks (tp2 with sequence parallelism, megarl's default at tp > 1): `logprobs` at cp2 x dp2
-and at cp2 x tp2; `update` and `ckpt` at cp2 x tp2 against dp4 (= one process, tests/engine);
+and at cp2 x tp2; `update`, `grads` and `ckpt` at cp2 x tp2 against dp4 (= one process, tests/engine);
 `replay` (--replay-models ROLLOUT ACTOR, tests/moe/replay_cases.py) routing replay at cp2 x tp2,
 where each TP rank replays the routes of its SP block of its CP share of the tokens; `cli` with --tp 2.
 
@@ -66,7 +67,7 @@ def logprob_diffs(model_dir: str, layout: dict, budget: int) -> dict:
     lps, ents = hf_reference(model_dir, batch.input_ids)
     dims = dims_from_env(**layout).initialize()
     engine = MegatronEngine(model_dir, dims, EngineConfig(max_tokens_per_microbatch=budget), trainable=False)
-    out = engine.forward_only(batch, want=("logprobs", "entropy"))
+    out = engine.forward_only(batch, entropy=True)
     lp_diff = ent_diff = 0.0
     for i, (seq, p) in enumerate(zip(batch.input_ids, batch.prompt_lens)):
         n = len(seq) - p
@@ -104,6 +105,17 @@ def updates(model: str, layout: dict, ckpt: str, save: bool) -> dict:
     return out
 
 
+def actor_update(model: str, layout: dict) -> dict:
+    """One actor update at `layout` (the `updates` settings, no checkpoint): grad norms and weights."""
+    dims = dims_from_env(**layout).initialize()
+    cfg = EngineConfig(optim=OptimConfig(lr=1e-3, max_grad_norm=0.0, weight_decay=0.0, eps=1.0), max_tokens_per_microbatch=24)
+    engine = MegatronEngine(model, dims, cfg)
+    stats = update(engine, dims, 0, critic=False)
+    out = dict(grad_norms=stats.grad_norms, weights=weights(engine))
+    dims.destroy()
+    return out
+
+
 def replay(rollout_model: str, actor_model: str, layout: dict) -> dict:
     """Routing replay at `layout`: old log-probs (gathered over DP, global row order), the grad norm
     of one update and the largest replayed-vs-old log-prob gap in it (replay_cases.forward_and_update)."""
@@ -133,6 +145,7 @@ def main() -> None:
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--cli-dir", help="run megarl.tools.logprobs --cp 2 on CLI_DIR/in.jsonl into CLI_DIR/out.jsonl")
+    p.add_argument("--grad-models", nargs="*", default=(), help="one actor update each at the CP layout and at dp")
     p.add_argument("--replay-models", nargs=2, metavar=("ROLLOUT", "ACTOR"), help="routing replay at the CP layout")
     args = p.parse_args()
     world = int(os.environ["WORLD_SIZE"])
@@ -147,6 +160,8 @@ def main() -> None:
     # checkpoint written at cp2 (x tp2) after the first update, loaded at dp2 (dp4 with 4 ranks)
     result["cp"] = updates(args.train_model, cp_layout, args.ckpt, save=True)
     result["ref"] = updates(args.train_model, ref_layout, args.ckpt, save=False)
+    # the same actor update for more families (MoE, MLA) at the CP layout and at dp (= one process)
+    result["grads"] = {Path(m).name: {"cp": actor_update(m, cp_layout), "ref": actor_update(m, ref_layout)} for m in args.grad_models}
     if args.replay_models:
         result["replay"] = replay(*args.replay_models, cp_layout)
     if dist.get_rank() == 0:

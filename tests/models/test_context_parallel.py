@@ -24,6 +24,11 @@ from conftest import FAMILIES, FAMILIES_671B, REPO, make_model, torchrun
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # cp_worker's transformers reference
 
+# Beyond the qwen3 actor and critic of `update`: a softmax-routed MoE family and MLA (DeepSeek-V3,
+# whose sigmoid-routed MoE has shared experts and a dense first layer), built without YaRN as
+# make_model builds it, train at cp2 x tp2 like one process.
+GRAD_FAMILIES = ("qwen3_moe", "deepseek_v3")
+
 
 def test_cp_index_by_hand():
     # segments of 8 and 4 tokens at cp2: chunks of 2 and 1; rank r keeps chunks r and 3-r of each
@@ -131,6 +136,7 @@ def test_cp2_and_cp2_x_tp2_logprobs_updates_replay_and_checkpoint(tmp_path, worl
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in cli_sequences))
     torchrun(4, ["tests/models/cp_worker.py", "--models", *map(str, models), "--train-model", str(models[2]),
                  "--ckpt", str(tmp_path / "ckpt"), "--out", str(out), "--cli-dir", str(tmp_path),
+                 "--grad-models", *(str(tmp_path / a) for a in GRAD_FAMILIES),
                  "--replay-models", str(rollout), str(actor)], timeout=900)
     r = torch.load(out, weights_only=False)
     # Routing replay at cp2 x tp2: each TP rank replays the routes of its SP block of its CP share
@@ -159,9 +165,19 @@ def test_cp2_and_cp2_x_tp2_logprobs_updates_replay_and_checkpoint(tmp_path, worl
         cp, ref = r["cp"][role], r["ref"][role]
         assert len(cp["grad_norms"]) == 2 and all(n > 0 for n in cp["grad_norms"])
         assert cp["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5)  # loss scaling over dp x cp
-        assert cp["metrics"] == pytest.approx(ref["metrics"], rel=1e-4, abs=1e-7)  # counted once
+        # counted once. abs 1e-6: actor/ppo_kl (~5e-4) is a mean of old - new log-probs of size
+        # ~log(301) = 5.7, whose float32 spacing is 4.8e-7 (measured 2.8e-7 apart on main: 1e-7 was sub-ulp)
+        assert cp["metrics"] == pytest.approx(ref["metrics"], rel=1e-4, abs=1e-6)
         for name, w in ref["weights"].items():
             torch.testing.assert_close(cp["weights"][name], w, rtol=1e-5, atol=1e-6, msg=name)
+    # a MoE family and MLA: the actor's update at cp2 x tp2 (SP) equals one process's
+    assert set(r["grads"]) == set(GRAD_FAMILIES)
+    for family, got in r["grads"].items():
+        cp, ref = got["cp"], got["ref"]
+        assert len(cp["grad_norms"]) == 2 and all(n > 0 for n in cp["grad_norms"])
+        assert cp["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-5), family
+        for name, w in ref["weights"].items():
+            torch.testing.assert_close(cp["weights"][name], w, rtol=1e-5, atol=1e-6, msg=f"{family} {name}")
     saved, loaded = r["cp"]["actor"]["weights"], r["ref"]["loaded"]
     assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)  # cp2 x tp2 -> dp4 exactly
     second_cp, second_dp = r["cp"]["second"], r["ref"]["second"]

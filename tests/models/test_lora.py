@@ -121,22 +121,32 @@ def _logprobs(logits, tokens):
     return torch.log_softmax(logits.float()[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
 
 
-def test_peft_adapter_and_merged_export_give_megarl_logprobs(tiny_models, world_of_one, tmp_path):
+# (model fixture, name, targets): q/k/v biases beside the adapters (qwen2); routed experts fused by
+# transformers 5 into gate_up_proj / down_proj, Mixtral's w1/w3/w2 included; a dense first layer,
+# shared experts and multi-latent attention (deepseek_v3); gate_proj left out, so that the fused
+# gate_up_proj adapter has zero gate rows and no down_proj wrapper nests around it (the subset)
+PEFT_EXPORTS = {
+    "qwen2": ("tiny_models", "qwen2", None),
+    "mixtral": ("tiny_models", "mixtral", None),
+    "qwen3_moe": ("tiny_models", "qwen3_moe", None),
+    "qwen3_moe_subset": ("tiny_models", "qwen3_moe", ("k_proj", "up_proj")),
+    "deepseek_v3": ("tiny_moe_671b_models", "deepseek_v3", None),
+}
+
+
+@pytest.mark.parametrize("case", list(PEFT_EXPORTS))
+def test_peft_adapter_and_merged_export_give_megarl_logprobs(request, world_of_one, tmp_path, case):
     """--adapter-only's PEFT directory, loaded by peft onto the base transformers model, and the merged
-    export give megarl's log-probs (float32, 1e-4). MoE MLP adapters are refused: peft maps their
-    names onto transformers' fused experts."""
+    export give megarl's log-probs (float32, 1e-4), dense and MoE MLP adapters alike."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from megarl.engine.engine import EngineConfig, MegatronEngine
     from megarl.models import lora
-    from megarl.models.weights import save_hf_checkpoint
 
-    options = lora.LoraOptions(rank=RANK, alpha=ALPHA)
-    moe = MegatronEngine(str(tiny_models["qwen3_moe"]), world_of_one, EngineConfig(lora=options), trainable=False)
-    with pytest.raises(ValueError, match="--adapter-only: MLP adapters of a MoE model"):
-        lora.save_peft_adapter(moe.chunks, moe.spec, world_of_one, options, tmp_path / "refused", "m")
-    model_dir = tiny_models["qwen2"]  # q/k/v biases: the adapters sit beside them
+    fixture, name, targets = PEFT_EXPORTS[case]
+    model_dir = request.getfixturevalue(fixture)[name]
+    options = lora.LoraOptions(rank=RANK, alpha=ALPHA, target_modules=targets)
     engine = MegatronEngine(str(model_dir), world_of_one, EngineConfig(lora=options), trainable=False)
     params = megarl_adapter_params(engine.chunks, engine.spec, world_of_one)
     values = _load_random_adapters(params, seed=5)
@@ -148,16 +158,22 @@ def test_peft_adapter_and_merged_export_give_megarl_logprobs(tiny_models, world_
         with lora.disabled(engine.chunks):
             base_ours = _logprobs(engine.module(tokens, positions, None)[..., : engine.spec.vocab_size], tokens)
     assert (ours - base_ours).abs().max() > 1e-2  # the adapters matter
-    lora.save_peft_adapter(engine.chunks, engine.spec, world_of_one, options, tmp_path / "adapter", str(model_dir))
+    engine.save_peft_adapter(tmp_path / "adapter", str(model_dir))  # what megarl.checkpoint --adapter-only calls
     base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
-    assert sum(1 for n, _ in peft_model.named_parameters() if "lora_" in n) == 2 * len(params)
+    # every factor loaded, none left at peft's initialisation (B = 0): as many non-zero numbers as
+    # megarl's (random, non-zero) factors hold; the fused gate_up_proj's B adds only zero blocks
+    loaded = {n: p for n, p in peft_model.named_parameters() if "lora_" in n}
+    routed = sum(1 for n in params if ".experts." in n and ".shared_experts." not in n)
+    assert all(p.abs().max() > 0 for p in loaded.values()), [n for n, p in loaded.items() if p.abs().max() == 0]
+    assert sum(int((p != 0).sum()) for p in loaded.values()) == sum(a.numel() + b.numel() for a, b in values.values())
     with torch.no_grad():
         theirs = _logprobs(peft_model(tokens).logits, tokens)
-    assert (ours - theirs).abs().max() < 1e-4, (ours - theirs).abs().max()
+    err = (ours - theirs).abs().max().item()
+    print(f"{case}: {len(params)} adapters ({routed} on routed experts), peft vs megarl log-probs {err:.2e}")
+    assert err < 1e-4, err
     # the merged export (export_hf's default under LoRA): the same model
-    merged = lora.merged_weights(engine.chunks, engine.spec, world_of_one)
-    save_hf_checkpoint(engine.chunks, engine.spec, world_of_one, tmp_path / "merged", model_dir, overrides=merged)
+    engine.save_hf_checkpoint(tmp_path / "merged", model_dir)  # megarl.checkpoint's export: merged under LoRA
     with torch.no_grad():
         full = _logprobs(AutoModelForCausalLM.from_pretrained(tmp_path / "merged", torch_dtype=torch.float32)(tokens).logits, tokens)
     assert (full - theirs).abs().max() < 1e-4

@@ -62,9 +62,10 @@ def batch_of(requests, results, dp_rank: int = 0, dp: int = 1, routes: bool = Tr
     return full.select(list(range(dp_rank, n, dp)))
 
 
-def forward_and_update(engine, batch, num_global: int) -> tuple[torch.Tensor, float, float]:
+def forward_and_update(engine, batch, num_global: int, stats_out: list | None = None) -> tuple[torch.Tensor, float, float]:
     """Old log-probs of the batch, then one policy-gradient step on it: (log-probs, grad norm, the
-    largest |update forward's log-prob - old log-prob| on a response token, before the step)."""
+    largest |update forward's log-prob - old log-prob| on a response token, before the step);
+    stats_out: a list the step's TrainStats is appended to."""
     from megarl.algorithms import policy_loss
 
     batch.tensors["old_logprobs"] = engine.forward_only(batch)["logprobs"]
@@ -76,4 +77,6 @@ def forward_and_update(engine, batch, num_global: int) -> tuple[torch.Tensor, fl
         return policy_loss(out["logprobs"], mb["old_logprobs"], mb["advantages"], mask, global_tokens=totals["tokens"])
 
     stats = engine.train_step(batch, loss_fn, fields=("old_logprobs", "advantages"), num_global=num_global)
+    if stats_out is not None:
+        stats_out.append(stats)
     return batch.tensors["old_logprobs"], stats.grad_norms[0], gap[0]

@@ -71,8 +71,8 @@ def test_the_adapter_path_applies_only_where_vllm_can_take_the_adapters():
 
     assert adapter_sync_reason("vllm", 8, None, is_moe=False) is None  # every linear of a dense model
     assert adapter_sync_reason("vllm", 8, ["q_proj", "o_proj"], is_moe=True) is None  # attention of a MoE model
-    assert "no PEFT layout" in adapter_sync_reason("vllm", 8, None, is_moe=True)  # expert / MLP adapters
-    assert "no PEFT layout" in adapter_sync_reason("vllm", 8, ["q_proj", "gate_proj"], is_moe=True)
+    assert "not synced to vLLM as a LoRA" in adapter_sync_reason("vllm", 8, None, is_moe=True)  # expert / MLP adapters
+    assert "not synced to vLLM as a LoRA" in adapter_sync_reason("vllm", 8, ["q_proj", "gate_proj"], is_moe=True)
     assert "above vLLM's largest max_lora_rank 512" in adapter_sync_reason("vllm", 1024, None, is_moe=False)
     assert "rollout.engine=hf has no LoRA support" in adapter_sync_reason("hf", 8, None, is_moe=False)
     assert adapter_sync_reason("vllm", 0, None, is_moe=False) == "actor.lora is off"

@@ -67,9 +67,12 @@ def test_same_run_under_every_layout(tmp_path_factory, nproc, tp, pp, cp, single
     run_dir = tmp_path_factory.mktemp(f"layout_tp{tp}_pp{pp}_cp{cp}")
     # dp2 also offloads everything between phases: numbers must not change, memory must.
     offload = OFFLOAD_ALL if (tp, pp) == (1, 1) else {}
+    # cp2 x tp2 also saves after each step: its step-1 checkpoint resumes at dp2 below.
+    resume_at_dp2 = (tp, cp) == (2, 2)
+    save = {"trainer.save_every_steps": 1} if resume_at_dp2 else {}
     proc = launch_ok(nproc, small_run_overrides(root, run_dir, **{"trainer.total_steps": 2, "parallel.tp": tp, "parallel.pp": pp,
                                                                                      "parallel.cp": cp},
-                                                **offload, **CORRECTION))
+                                                **offload, **save, **CORRECTION))
     # tp2 runs with sequence parallelism, the default at tp > 1 (the critic's value head on the SP
     # shard), under context parallelism too (cp2 x tp2: the SP shard of each CP rank's tokens)
     assert (f"tp={tp} sp " in proc.stdout) == (tp > 1), proc.stdout
@@ -79,6 +82,20 @@ def test_same_run_under_every_layout(tmp_path_factory, nproc, tp, pp, cp, single
         assert abs(step["rollout_corr/kl"]) < 1e-5 and step["rollout_corr/k3_kl"] < 1e-8
         assert step["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-4)
         assert step["rollout_corr/rollout_is_ratio_fraction_high"] == 0.0
+    if resume_at_dp2:
+        # A checkpoint written at cp2 x tp2 resumes at dp2 (2 processes, no tp, no cp; a fresh run
+        # directory, so there is no earlier segment whose layout it would change): its step 2 logs
+        # the straight runs' step 2 (this one's and one process's) within the layouts' 1e-3.
+        resumed = tmp_path_factory.mktemp("resumed_dp2")
+        proc = launch_ok(2, small_run_overrides(root, resumed, **{"trainer.total_steps": 2,
+                                                                  "trainer.resume": run_dir / "checkpoints" / "step_00000001"},
+                                                **CORRECTION))
+        assert "resumed from" in proc.stdout and "step_00000001" in proc.stdout, proc.stdout
+        after = read_metrics(resumed)
+        assert [r["step"] for r in after] == [2]
+        for straight in (run_dir, single_process_run):
+            _assert_close(read_metrics(straight)[1:], after, rel=1e-3,
+                          keys=COMPARED + ("rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_max"))
     if offload:
         kept, dropped = read_metrics(single_process_run)[1], read_metrics(run_dir)[1]
         # Offloaded: nothing of actor, critic or reference stays in memory while the rollout generates.
