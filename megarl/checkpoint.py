@@ -1,7 +1,8 @@
 """Save / resume of a whole PPO run, and HF export of a checkpoint.
 
 A checkpoint is `<run_dir>/checkpoints/step_XXXXXXXX/` holding `actor/` and `critic/` (Megatron
-distributed checkpoints: weights + optimizer, reshardable to any layout) and `trainer.pt`
+distributed checkpoints: weights + optimizer, reshardable to any layout; under `<role>.lora` the
+adapters + their optimizer state and `base_ref.json`, the base's path and hash) and `trainer.pt`
 (`Trainer.state_dict()`: step, KL controller, data position, guard state). It is written into a temporary directory
 and renamed into place with a COMPLETE marker (`megarl.checkpoint_io.atomic_dir`), so a run killed
 while saving resumes from the previous complete checkpoint.
@@ -19,6 +20,7 @@ import yaml
 from megarl import hub
 from megarl.checkpoint_io import atomic_dir, cleanup_old_checkpoints, latest_complete_checkpoint, load_plain, step_dir
 from megarl.engine.engine import EngineConfig, MegatronEngine
+from megarl.models import base_ref
 from megarl.models.lora import LoraOptions
 from megarl.parallel import dims_from_env
 
@@ -76,7 +78,8 @@ def export_hf_main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--role", choices=("actor", "critic"), default="actor")
     p.add_argument("--model", help="the HF directory or hub id (org/name[@revision]) the run started from (default: "
-                                   "model.path of the run's config, at the hub commit the run recorded)")
+                                   "the base a LoRA checkpoint names in base_ref.json, else model.path of the run's config, "
+                                   "at the hub commit the run recorded)")
     p.add_argument("--adapter-only", action="store_true", help="a run with <role>.lora: write the PEFT adapter directory "
                                                                 "(loads onto the base model with peft) instead of the merged model")
     args = p.parse_args(argv)
@@ -88,6 +91,10 @@ def export_hf_main(argv=None) -> int:
     model_dir = args.model
     resolved = ckpt.parent.parent / "config.yaml"
     run_config = yaml.safe_load(resolved.read_text()) if resolved.is_file() else None
+    # a LoRA checkpoint holds only the adapters: the base comes from the directory it names
+    recorded_base = base_ref.recorded_base(ckpt / args.role)
+    if model_dir is None and recorded_base is not None:
+        model_dir = recorded_base
     if model_dir is None:
         if run_config is None:
             print(f"error: pass --model (no resolved config at {resolved})", file=sys.stderr)
@@ -101,6 +108,14 @@ def export_hf_main(argv=None) -> int:
     except hub.HubError as err:
         if dims.rank == 0:
             print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        problem = base_ref.changed_base(ckpt / args.role, model_dir, "--model", otherwise="the one the run trained on")
+    except (OSError, ValueError, KeyError) as err:
+        problem = f"cannot check the base model of LoRA checkpoint {ckpt / args.role} against {model_dir} ({err})"
+    if problem is not None:
+        if dims.rank == 0:
+            print(f"error: {problem}", file=sys.stderr)
         return 2
     critic = args.role == "critic"
     lora_cfg = ((run_config or {}).get(args.role) or {}).get("lora") or {}

@@ -2,7 +2,8 @@
 
     run = Run.open(config_path, overrides)  # config checked, process groups, run-directory lock,
                                             # demo data and tiny model, models named by hub id
-    trainer = run.build_trainer()           # the Trainer; where it resumes, what changed in the config
+    trainer = run.build_trainer()           # where it resumes (a LoRA checkpoint's base checked first), the
+                                            # Trainer; what changed in the config
                                             # since, abandoned checkpoints aside, config.yaml, segment record
     run.train(trainer)                      # the tracker, the preemption watch and the heartbeat around
                                             # Trainer.train
@@ -219,9 +220,11 @@ class Run:
 
         t = self.cfg.trainer
         world_size = self.dims.world_size
+        cfg = with_snapshots(self.cfg, self.snapshots)
+        self.start = self._resume_point()
+        self._fail(self._changed_lora_base(cfg) if self.rank == 0 else None)  # before any model is built
         try:
-            trainer = Trainer(with_snapshots(self.cfg, self.snapshots), self.dims, separate=self.separate)
-            self.start = self._resume_point()
+            trainer = Trainer(cfg, self.dims, separate=self.separate)
         except (ValueError, FileNotFoundError, ImportError) as err:  # bad data / model files, missing engine
             self._refuse(err)
         start, problem, changes = self.start, None, []
@@ -252,6 +255,25 @@ class Run:
             record_segment(self.run_dir, self.records, (self.run_dir / "config.yaml").read_text(), trainer.step + 1,
                            world_size)
         return trainer
+
+    def _changed_lora_base(self, cfg) -> str | None:
+        """A LoRA checkpoint holds only adapters: the base it names (path and content hash,
+        megarl.models.base_ref) must be the base this run builds, or the refusal."""
+        from megarl.models import base_ref
+
+        if self.start is None:
+            return None
+        critic_key = "critic.model_path" if cfg.critic.model_path else "model.path"
+        bases = {"actor": ("model.path", cfg.model.path), "critic": (critic_key, cfg.critic.model_path or cfg.model.path)}
+        for role, (key, model_dir) in bases.items():
+            if getattr(cfg, role).lora.rank > 0 and (self.start / role).is_dir():
+                try:
+                    problem = base_ref.changed_base(self.start / role, model_dir, key)
+                except (OSError, ValueError, KeyError) as err:
+                    problem = f"cannot check the base model of LoRA checkpoint {self.start / role} against {model_dir} ({err})"
+                if problem is not None:
+                    return problem
+        return None
 
     def _resume_point(self) -> Path | None:
         """trainer.resume: 'auto' -> the newest complete checkpoint (or None), 'never' -> None, else

@@ -29,15 +29,9 @@ class BatchSizes:
 
 
 def _check_lora(cfg: Config) -> None:
-    """LoRA checkpoints: Megatron's sharded state dict describes the adapters as replicated, which
-    is right only where no adapter is split (tp = etp = 1, ep = 1); elsewhere a save would lose
-    shards, so it is refused (megarl.models.lora)."""
-    p, t = cfg.parallel, cfg.trainer
+    """LoRA checkpoints work under every layout (megarl.engine.adapter_checkpoint describes the
+    TP-split adapter factors to Megatron's checkpoint); what is left to check is the target list."""
     roles = [r for r in ("actor", "critic") if getattr(cfg, r).lora.rank > 0]
-    split = p.tp > 1 or p.ep > 1 or (p.etp or 1) > 1
-    if roles and split and t.save_every_steps > 0:
-        raise ConfigError(f"{roles[0]}.lora with parallel.tp/ep/etp > 1 cannot be checkpointed yet (the adapters' shards "
-                          f"are not described to Megatron's checkpoint): set trainer.save_every_steps=0 or use tp=ep=etp=1")
     for r in roles:
         if getattr(cfg, r).lora.target_modules == []:
             raise ConfigError(f"{r}.lora.target_modules is empty: name projections (q_proj, ...) or null for all of them")

@@ -1,4 +1,5 @@
-"""Megatron distributed checkpoints of one engine: weights, optimizer, LR scheduler, RNG states.
+"""Megatron distributed checkpoints of one engine: weights, optimizer, LR scheduler, RNG states
+(under LoRA the adapters instead of the weights, with a reference to the base: adapter_checkpoint.py).
 
 Saved as `ShardedTensor`s with global offsets, so a checkpoint written under one TP/PP/DP layout
 loads under any other. Atomicity (temporary directory, rename, COMPLETE marker) is the caller's:
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.checkpoint_io import UnsafeCheckpointError, check_dcp_metadata, load_plain
+from megarl.engine import adapter_checkpoint
 from megarl.platform import mcore_version
 
 # The distributed optimizer's one format that reshards across TP, PP *and* DP in Megatron-Core 0.16
@@ -66,6 +68,8 @@ def _sharded_state_dict(engine, is_loading: bool) -> dict:
     _refuse_tied_virtual_stages(engine)
     engine.onload()
     state = {key: m.sharded_state_dict(prefix="model.") for key, m in zip(_model_keys(engine), engine.modules)}
+    if engine.lora is not None:  # adapters only: the frozen base is rebuilt from its directory (adapter_checkpoint)
+        state = {key: adapter_checkpoint.adapter_state(engine, s) for key, s in state.items()}
     if engine.trainable:
         ensure_optimizer_state(engine)
         model_sd = dict(state)  # the optimizer finds each parameter's sharded tensor in any chunk
@@ -84,6 +88,8 @@ def save_engine(engine, path: str) -> float:
     dist_checkpointing.save(_sharded_state_dict(engine, is_loading=False), path)
     if engine.dims.rank == 0:
         torch.save(engine.extra_state(), os.path.join(path, EXTRA_STATE_FILE))
+        if engine.lora is not None:
+            adapter_checkpoint.write_base_ref(engine, path)
         mcore_version.record_checkpoint_version(path)
         os.makedirs(os.path.join(path, RNG_DIR), exist_ok=True)
     dist.barrier()

@@ -1,5 +1,5 @@
-"""actor.lora / critic.lora in the config: defaults off, one-line refusals (targets the model lacks,
-checkpoints of split adapters), and the engine options the trainer builds from them."""
+"""actor.lora / critic.lora in the config: defaults off, one-line refusals (targets the model lacks),
+checkpoints of split adapters accepted, and the engine options the trainer builds from them."""
 from __future__ import annotations
 
 import json
@@ -31,9 +31,6 @@ def test_lora_is_off_by_default_and_reaches_the_engines():
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["actor.lora.rank=8", "parallel.tp=2", "trainer.save_every_steps=5"],
-     "actor.lora with parallel.tp/ep/etp > 1 cannot be checkpointed yet"),
-    (["critic.lora.rank=8", "parallel.ep=2", "trainer.save_every_steps=5"], "critic.lora with parallel.tp/ep/etp > 1"),
     (["actor.lora.rank=8", "actor.lora.target_modules=[]"], "actor.lora.target_modules is empty"),
     (["actor.lora.rank=-1"], "actor.lora.rank"),
 ])
@@ -43,8 +40,13 @@ def test_bad_lora_settings_are_refused_in_one_line(overrides, message):
     assert "\n" not in str(err.value)
 
 
-def test_split_adapters_without_checkpoints_validate():
-    validate(load_config(None, BASE + ["actor.lora.rank=8", "parallel.tp=2"]), world_size=2)
+@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1"], ["parallel.tp=2", "parallel.etp=2"]])
+def test_split_adapters_validate_with_and_without_checkpoints(layout):
+    # adapter checkpoints describe the TP-split factors (megarl.engine.adapter_checkpoint): no refusal
+    # (resumed at tp2 and tp2 x ep2: tests/trainer/test_lora_runs.py; across layouts: tests/engine/test_engine.py)
+    for save in ("0", "5"):
+        validate(load_config(None, BASE + ["actor.lora.rank=8", "critic.lora.rank=8", f"trainer.save_every_steps={save}", *layout]),
+                 world_size=2)
 
 
 @pytest.mark.parametrize("hf,overrides,message", [

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megarl.algorithms import policy_loss, value_loss
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
+from megarl.models.lora import LoraOptions
 from megarl.parallel import dims_from_env
 
 N, R = 8, 5  # sequences, response tokens
@@ -86,11 +87,14 @@ def main() -> None:
     p.add_argument("--max-grad-norm", type=float, default=0.0)
     p.add_argument("--packing", choices=("on", "off"), default="on")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (at tp > 1)")
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--etp", type=int)
+    p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: every weight)")
     p.add_argument("--ckpt")
     p.add_argument("--out")
     args = p.parse_args()
 
-    dims = dims_from_env(tp=args.tp, pp=args.pp, sequence_parallel=args.sp).initialize()
+    dims = dims_from_env(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, sequence_parallel=args.sp).initialize()
     if args.mode == "both":
         both = {role: run_role(args, dims, critic=(role == "critic"), mode="update") for role in ("actor", "critic")}
         if dist.get_rank() == 0:
@@ -105,7 +109,8 @@ def main() -> None:
 
 def run_role(args, dims, critic: bool, mode: str) -> dict:
     cfg = EngineConfig(optim=OptimConfig(lr=args.lr, max_grad_norm=args.max_grad_norm, weight_decay=0.0),
-                       max_tokens_per_microbatch=24, sequence_packing=args.packing == "on", param_offload=True, grad_offload=True, optimizer_offload=True)
+                       max_tokens_per_microbatch=24, sequence_packing=args.packing == "on", param_offload=True, grad_offload=True, optimizer_offload=True,
+                       lora=LoraOptions(rank=args.lora_rank, alpha=8.0, seed=1) if args.lora_rank else None)
     engine = MegatronEngine(args.model, dims, cfg, value_head=critic)
     result = {"grad_norms": []}
     if mode == "resume":

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import torchrun
 
@@ -74,6 +75,22 @@ def test_checkpoint_saved_under_one_layout_resumes_under_another(tiny_models, tm
     straight = _worker(tmp_path, model, 1, "--mode", "twice")
     assert resumed["grad_norms"] == pytest.approx(straight["grad_norms"][2:], rel=REL_TOL)
     assert _max_rel_diff(straight["weights"], resumed["weights"]) <= REL_TOL
+
+
+def test_lora_checkpoint_saved_under_tp2_resumes_on_one_process(tiny_models, tmp_path):
+    # Adapters only (megarl.engine.adapter_checkpoint): saved at tp2 with expert tp 2 (the TP-split
+    # factors of attention, dense and expert layers described as shards of the global tensor), resumed
+    # on one process: the second update equals two straight updates. Without the description the
+    # load fails (each TP rank's shard was saved as the whole tensor).
+    model, lora = tiny_models["qwen3_moe"], ("--lora-rank", 4)
+    ckpt = tmp_path / "ckpt"
+    _worker(tmp_path, model, 2, "--mode", "save", "--tp", 2, "--etp", 2, "--sp", "--ckpt", ckpt, *lora)
+    keys = list(FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+    assert keys and all(".lora." in k for k in keys if "model." in k), keys  # no base weight
+    resumed = _worker(tmp_path, model, 1, "--mode", "resume", "--ckpt", ckpt, *lora)
+    straight = _worker(tmp_path, model, 1, "--mode", "twice", *lora)
+    assert resumed["grad_norms"] == pytest.approx(straight["grad_norms"][2:], rel=REL_TOL)
+    assert _max_rel_diff(straight["weights"], resumed["weights"]) <= REL_TOL  # merged weights: base + adapters
 
 
 def test_grad_clip_uses_true_global_norm(tiny_models, tmp_path):
