@@ -39,6 +39,11 @@ def check_placement(cfg: Config) -> None:
                           f"set rollout.tp=1 (rollout.num_ranks engines of one rank) or async.partial_rollout=false")
     if r.num_ranks % r.tp:
         raise ConfigError(f"rollout.num_ranks = {r.num_ranks} is not divisible by rollout.tp = {r.tp}")
+    if cfg.actor.routing_replay:
+        # the rollout server returns tokens and log-probs only: without its routes the actor would route
+        # afresh, silently not replaying
+        raise ConfigError("actor.routing_replay needs the rollout's expert routes, which rollout.placement=separate does not "
+                          "return yet: set actor.routing_replay=false or rollout.placement=colocated")
     alg = cfg.algorithm
     if alg.adv_estimator == "remax":
         raise ConfigError("rollout.placement=separate does not run adv_estimator=remax yet (its greedy baseline is a second "

@@ -24,6 +24,8 @@ class RemoteRollout:
     HybridEngine.hand_over calls: rank 0 announces the version, every rank sends its part of the
     stream), `submit` / `collect` (prompts out, results back), `generate` (both, waiting)."""
 
+    record_routes = False  # no routing replay from separate rollout ranks (validation refuses it)
+
     def __init__(self, groups, rank: int):
         self.groups, self.rank = groups, rank
         self.placement = groups.placement

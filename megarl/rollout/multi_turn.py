@@ -132,7 +132,7 @@ class MultiTurnRollout:
     # ------------------------------------------------------------------ episodes
     def generate(self, requests: Sequence[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
         """len(requests) * n episodes, prompt-major, each as one RolloutResult with its response mask."""
-        if getattr(self.engine, "record_routes", False):
+        if self.engine.record_routes:
             raise ValueError("MoE routing replay (actor.routing_replay) is not supported with rollout.multi_turn")
         s = self.settings
         episodes = [_Episode(spec) for spec in expand_samples(requests, sampling)]

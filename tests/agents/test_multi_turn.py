@@ -25,6 +25,7 @@ class Recorder:
 
     def __init__(self, engine):
         self.engine, self.calls = engine, []
+        self.record_routes = engine.record_routes
 
     def generate(self, requests, sampling):
         self.calls.append((list(requests), sampling))

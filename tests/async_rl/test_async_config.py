@@ -30,6 +30,8 @@ def test_async_section_is_spelled_async_and_round_trips(tmp_path):
       "async.partial_rollout=true"], "set rollout.tp=1 .* or async.partial_rollout=false"),
     (["rollout.placement=separate", "rollout.num_ranks=1", "async.partial_rollout=true"], "set async.max_staleness >= 1"),
     (["rollout.placement=separate", "rollout.num_ranks=1", "algorithm.adv_estimator=remax"], "use rollout.placement=colocated"),
+    (["rollout.placement=separate", "rollout.num_ranks=1", "actor.routing_replay=true"],
+     "set actor.routing_replay=false or rollout.placement=colocated"),
     (["async.max_stalenes=1"], "did you mean 'async.max_staleness'"),
     (["rollout.placement=separate", "rollout.num_ranks=1", "async.max_staleness=1", "algorithm.filter_groups.enable=true",
       "algorithm.adv_estimator=grpo"], "set async.max_staleness=0 or algorithm.filter_groups.enable=false"),
