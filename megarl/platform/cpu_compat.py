@@ -48,7 +48,9 @@ class CudaToCpuMode(TorchFunctionMode):
 
     Megatron allocates with literal device='cuda' in the optimizer, grad scaler, clip_grads, the
     pipeline schedules and tensor_parallel/data.py. A function mode catches all of them without
-    patching each call site.
+    patching each call site. It also drops `pin_memory=True`: a host-to-device staging buffer has no
+    meaning without a device, and the CPU build refuses it (Megatron's `get_pos_emb_on_this_cp_rank`
+    pins its two-element index, which YaRN's rope calls when it is built at cp > 1).
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -56,6 +58,8 @@ class CudaToCpuMode(TorchFunctionMode):
         device = kwargs.get("device")
         if device is not None and _is_cuda_device(device):
             kwargs = dict(kwargs, device="cpu")
+        if kwargs.get("pin_memory"):
+            kwargs = dict(kwargs, pin_memory=False)
         elif func is torch.Tensor.to and args and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)

@@ -130,6 +130,8 @@ def test_cp2_and_cp2_x_tp2_logprobs_updates_replay_and_checkpoint(tmp_path, worl
 
     models = [make_model(tmp_path / a, a, vocab_size=301, tie=(a == "llama"), seed=i)
               for i, a in enumerate(FAMILIES + FAMILIES_671B)]
+    # DeepSeek-V3's own rope: YaRN, whose cos/sin cache is built per CP rank (pinned index: cpu_compat seam 2)
+    models.append(make_model(tmp_path / "deepseek_v3_yarn", "deepseek_v3", vocab_size=301, yarn_factor=4.0, seed=len(models)))
     rollout, actor = make_models(tmp_path / "replay")
     out = tmp_path / "cp.pt"
     cli_sequences = [[5, 17, 230, 4, 9, 88, 1], [300, 2, 41], list(range(40, 53))]
@@ -158,7 +160,8 @@ def test_cp2_and_cp2_x_tp2_logprobs_updates_replay_and_checkpoint(tmp_path, worl
         torch.testing.assert_close(torch.tensor(g), w, rtol=0, atol=1e-4)
     assert list(r["logprobs"]) == ["cp2", "cp2xtp2"]
     for layout, by_family in r["logprobs"].items():
-        assert set(by_family) == set(FAMILIES + FAMILIES_671B)  # MoE (mixtral, qwen3_moe) and MLA (deepseek_v3) included
+        # MoE (mixtral, qwen3_moe) and MLA (deepseek_v3, with YaRN too) included
+        assert set(by_family) == set(FAMILIES + FAMILIES_671B) | {"deepseek_v3_yarn"}
         for family, diff in by_family.items():
             assert diff["logprobs"] < 1e-4 and diff["entropy"] < 1e-4, (layout, family, diff)
     for role in ("actor", "critic"):

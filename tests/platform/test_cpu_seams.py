@@ -90,6 +90,23 @@ def test_seam2_literal_cuda_allocations_land_on_cpu():
     assert t.cuda() is t  # Tensor.cuda is the identity
 
 
+def test_seam2_pinned_staging_index_selects_this_cp_ranks_rope_chunks():
+    """Megatron's get_pos_emb_on_this_cp_rank pins its index tensor (refused by the CPU build), and
+    YaRN's rope calls it when built at cp > 1: under the seam it picks chunks r and 2cp-1-r."""
+    from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
+
+    class Group:  # rank 1 of cp = 2
+        def size(self):
+            return 2
+
+        def rank(self):
+            return 1
+
+    pos_emb = torch.arange(8.0).view(8, 1, 1, 1)  # 2 * cp chunks of 2 positions
+    got = get_pos_emb_on_this_cp_rank(pos_emb, 0, Group())
+    assert got.flatten().tolist() == [2.0, 3.0, 4.0, 5.0]  # chunks 1 and 2
+
+
 class _AllocatesOnCudaInBackward(torch.autograd.Function):
     """Like Megatron's autograd Functions: the backward allocates with device='cuda'."""
 
