@@ -2,7 +2,7 @@
 (PPO loss, KL loss to the reference, packed micro-batches) of a tiny 6-layer llama at vpp2 x pp2
 (interleaved 1F1B) with uneven stages (2 layers on the first, 4 on the last): one launch for both
 mechanisms, which tests/layouts/test_layouts.py and test_engine_layouts.py also check apart; and the
-same GRPO run at cp2 x tp2 with sequence parallelism (issue 23). (tests/trainer runs GAE with the critic.) A small micro-batch token budget gives each mini-batch several
+same GRPO run at cp2 and at cp2 x tp2 with sequence parallelism (issue 23). (tests/trainer runs GAE with the critic.) A small micro-batch token budget gives each mini-batch several
 micro-batches, an odd count included, so the interleaved schedule runs filler micro-batches too."""
 from __future__ import annotations
 
@@ -32,14 +32,15 @@ def single_run(tmp_path_factory):
     return root
 
 
-# vpp2 x pp2 with uneven stages; and (issue 23) GRPO under context parallelism with tensor and
-# sequence parallelism, 4 ranks (tests/trainer/test_ppo_runs.py runs GAE with the critic at cp2 and
+# vpp2 x pp2 with uneven stages; and (issue 23) GRPO under context parallelism, alone (2 ranks) and
+# with tensor and sequence parallelism (4 ranks) (tests/trainer/test_ppo_runs.py runs GAE with the critic at cp2 and
 # cp2 x tp2): the old, reference and new log-probs, the KL loss and the entropy on each CP rank's
 # share of every packed sequence, the losses scaled over dp x cp.
 @pytest.mark.parametrize("nproc,layout,shown", [
     (2, {"parallel.pp": 2, "parallel.vpp": 2, "parallel.first_stage_layers": 2}, "pp=2 vpp=2 first_stage_layers=2"),
+    (2, {"parallel.cp": 2}, "tp=1 pp=1 cp=2 dp=1"),
     (4, {"parallel.cp": 2, "parallel.tp": 2}, "tp=2 sp pp=1 cp=2 dp=1"),
-], ids=["vpp2_pp2_uneven", "grpo_cp2xtp2"])
+], ids=["vpp2_pp2_uneven", "grpo_cp2", "grpo_cp2xtp2"])
 def test_same_run_under_the_layout(single_run, nproc, layout, shown):
     name = "_".join(f"{k.split('.')[1]}{v}" for k, v in layout.items())
     proc = launch_ok(nproc, small_run_overrides(single_run, single_run / name, **SIX_LAYERS, **layout))
