@@ -143,6 +143,14 @@ def load_engine(engine, path: str) -> None:
         except UnsafeCheckpointError:
             raise
         except (Exception, CheckpointException) as e:  # Megatron reports a mismatch deep inside DCP, as a long traceback
+            written_ep = _written_ep(path)
+            if written_ep is not None and (written_ep > 1) != (engine.dims.ep > 1):
+                # Megatron's distributed optimizer keeps expert parameters in their own buckets
+                # only at ep > 1: the optimizer state has another structure on each side
+                raise CheckpointMismatch(
+                    f"checkpoint {path} was written at parallel.ep={written_ep} and this run has parallel.ep={engine.dims.ep}: "
+                    f"the optimizer state of expert parameters does not cross between ep = 1 and ep > 1; resume at "
+                    f"parallel.ep{'=1' if written_ep == 1 else ' > 1'} (other TP/PP/DP/CP layouts work)") from e
             raise CheckpointMismatch(
                 f"checkpoint {path} does not fit this model ({_first_line(e)}); it was written for another "
                 f"architecture or size: resume with the model.path it was trained from, or use another trainer.run_dir") from e
@@ -233,6 +241,14 @@ def _load_distributed_optimizer(opt, state: dict) -> None:
 
 def _layout(dims) -> tuple:
     return (dims.world_size, dims.tp, dims.pp, dims.cp, dims.ep)
+
+
+def _written_ep(path: str) -> int | None:
+    """The expert-parallel size of the run that wrote the checkpoint (from rank 0's RNG file), or None."""
+    try:
+        return int(load_plain(_rng_file(path, 0))["layout"][4])
+    except Exception:  # an older checkpoint without the file: no claim about its layout
+        return None
 
 
 def _rng_file(path: str, rank: int) -> str:

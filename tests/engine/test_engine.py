@@ -93,6 +93,19 @@ def test_lora_checkpoint_saved_under_tp2_resumes_on_one_process(tiny_models, tmp
     assert _max_rel_diff(straight["weights"], resumed["weights"]) <= REL_TOL  # merged weights: base + adapters
 
 
+def test_checkpoint_across_an_expert_parallel_change_is_refused_in_one_line(tiny_models, tmp_path):
+    # ep 2 -> ep 1: Megatron's optimizer keeps expert parameters apart only at ep > 1, so the load
+    # fails deep inside DCP; the error names the two ep sizes and the fix, not "another architecture".
+    model, ckpt = tiny_models["qwen3_moe"], tmp_path / "ckpt"
+    _worker(tmp_path, model, 2, "--mode", "save", "--ep", 2, "--ckpt", ckpt)
+    proc = torchrun(1, ["tests/engine/engine_worker.py", "--model", str(model), "--mode", "resume", "--ckpt", str(ckpt)],
+                    check=False)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "was written at parallel.ep=2 and this run has parallel.ep=1" in out, out[-3000:]
+    assert "resume at parallel.ep > 1" in out and "another architecture" not in out
+
+
 def test_grad_clip_uses_true_global_norm(tiny_models, tmp_path):
     result = _worker(tmp_path, tiny_models["llama"], 2, "--mode", "clip", "--tp", 2, "--max-grad-norm", 0.5, "--lr", 0.0)
     assert result["reported"] == pytest.approx(result["autograd"], rel=1e-5)
