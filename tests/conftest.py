@@ -34,6 +34,10 @@ FAMILIES_671B = LARGE_MOE_FAMILIES
 
 # Keep every test process single-threaded: the suite runs many ranks on two cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# W&B's process-wide settings decide its analytics, not wandb.init(mode="offline"): without this, the
+# in-process logger tests leave OpenTelemetry exporter threads in the pytest process, and a later
+# fork (conftest.spawn) can crash in OpenTelemetry's after-fork handler (a SIGSEGV seen in CI).
+os.environ.setdefault("WANDB_MODE", "offline")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: the vllm marker is added here
