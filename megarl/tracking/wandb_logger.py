@@ -64,6 +64,9 @@ class WandbLogger:
             id_file.write_text(run_id + "\n")
         if self.mode == "offline":
             _set_aside(run_dir, run_id)
+            # "nothing leaves the machine": W&B's own analytics follow its process-wide settings, not
+            # init's mode, and would start OpenTelemetry exporter threads that post to the W&B server
+            os.environ.setdefault("WANDB_MODE", "offline")
         # No console capture, system stats, git or code snapshot: metrics only, quietly.
         settings = wandb.Settings(console="off", x_disable_stats=True, x_disable_machine_info=True, disable_git=True,
                                   save_code=False, silent=True)

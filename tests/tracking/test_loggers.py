@@ -98,3 +98,23 @@ def test_a_missing_logger_package_is_one_line_naming_the_pip_command(monkeypatch
         check_monitor_packages(cfg)
     assert str(err.value) == ("tracking.loggers: wandb needs the wandb package, which is not installed: "
                               "pip install 'megarl[monitor]' (or pip install wandb)")
+
+
+def test_offline_wandb_starts_no_analytics_exporter(tmp_path):
+    # wandb.init(mode="offline") alone still starts W&B's OpenTelemetry exporters (they post to the W&B
+    # server, and their after-fork handler crashed a later fork); a fresh process without WANDB_MODE,
+    # as a user's run is (this test process sets it: conftest)
+    import os
+    import subprocess
+    import sys
+
+    code = ("import threading; from pathlib import Path; from megarl.config import TrackingConfig; "
+            "from megarl.tracking.wandb_logger import WandbLogger; "
+            f"w = WandbLogger(TrackingConfig(loggers=['jsonl', 'wandb'], progress_bar=False), Path({str(tmp_path)!r}), "
+            "resume=False, params={}, history=[]); w.log({'a': 1.0}, 1); w.run.finish(); "
+            "print(sorted(t.name for t in threading.enumerate()))")
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    threads = proc.stdout.strip().splitlines()[-1]
+    assert "wandb" in threads and "Otel" not in threads, threads
