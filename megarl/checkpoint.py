@@ -109,10 +109,7 @@ def export_hf_main(argv=None) -> int:
         if dims.rank == 0:
             print(f"error: {err}", file=sys.stderr)
         return 2
-    try:
-        problem = base_ref.changed_base(ckpt / args.role, model_dir, "--model", otherwise="the one the run trained on")
-    except (OSError, ValueError, KeyError) as err:
-        problem = f"cannot check the base model of LoRA checkpoint {ckpt / args.role} against {model_dir} ({err})"
+    problem = base_ref.changed_base(ckpt / args.role, model_dir, "--model", otherwise="the one the run trained on")
     if problem is not None:
         if dims.rank == 0:
             print(f"error: {problem}", file=sys.stderr)

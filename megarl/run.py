@@ -267,10 +267,7 @@ class Run:
         bases = {"actor": ("model.path", cfg.model.path), "critic": (critic_key, cfg.critic.model_path or cfg.model.path)}
         for role, (key, model_dir) in bases.items():
             if getattr(cfg, role).lora.rank > 0 and (self.start / role).is_dir():
-                try:
-                    problem = base_ref.changed_base(self.start / role, model_dir, key)
-                except (OSError, ValueError, KeyError) as err:
-                    problem = f"cannot check the base model of LoRA checkpoint {self.start / role} against {model_dir} ({err})"
+                problem = base_ref.changed_base(self.start / role, model_dir, key)
                 if problem is not None:
                     return problem
         return None

@@ -85,11 +85,15 @@ RESUME_FIX = "or start a new run (another trainer.run_dir, or trainer.resume=nev
 def changed_base(checkpoint_dir: str | Path, model_dir: str | Path, key: str, otherwise: str = RESUME_FIX) -> str | None:
     """None when the engine checkpoint `checkpoint_dir` is a full one or its recorded base is the
     one at `model_dir` (by content); else the one-line refusal. key: the setting naming the base
-    (model.path, --model); otherwise: the other way out, after "use <key> ..."."""
-    recorded = read(checkpoint_dir)
-    if recorded is None:
-        return None
-    current = fingerprint(model_dir)
+    (model.path, --model); otherwise: the other way out, after "use <key> ...". A reference or base
+    that cannot be read is a refusal too, naming why."""
+    try:
+        recorded = read(checkpoint_dir)
+        if recorded is None:
+            return None
+        current = fingerprint(model_dir)
+    except (OSError, ValueError, KeyError) as err:
+        return f"cannot check the base model of LoRA checkpoint {checkpoint_dir} against {model_dir} ({err})"
     if current.sha256 == recorded.sha256:
         return None
     return (f"checkpoint {checkpoint_dir} holds LoRA adapters trained on the base model {recorded.path} (sha256 "
