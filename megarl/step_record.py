@@ -65,7 +65,7 @@ class StepRecord:
     batch: the sequences (prompt + response token ids), prompt lengths, global sample indices,
         R and the MoE routes; its only per-token tensor is the response mask.
     response_mask: [n, R] 1 on the policy's response tokens (float32).
-    old_logprobs, entropy, ref_logprobs, values: [n, R] (`Scores`; values are the critic's old values).
+    scored: phase 3's `Scores` (old and reference log-probs, entropy, the critic's old values).
     scores: [n] the reward function's score of each sample (plus environment and overlong terms).
     token_rewards: [n, R] the score on the last policy token, minus the KL penalty when it is in the reward.
     advantages, returns: [n, R] this rank's rows of the global batch's advantages and returns, masked.
@@ -74,10 +74,7 @@ class StepRecord:
 
     batch: SequenceBatch
     response_mask: torch.Tensor
-    old_logprobs: torch.Tensor
-    entropy: torch.Tensor
-    ref_logprobs: torch.Tensor | None
-    values: torch.Tensor | None
+    scored: Scores
     scores: torch.Tensor
     token_rewards: torch.Tensor
     advantages: torch.Tensor
@@ -86,15 +83,15 @@ class StepRecord:
 
     def critic_batch(self) -> SequenceBatch:
         """The critic's training batch: old values and returns under the response mask."""
-        return self._engine_batch(self.response_mask, {_OLD_VALUES: self.values, _RETURNS: self.returns})
+        return self._engine_batch(self.response_mask, {_OLD_VALUES: self.scored.values, _RETURNS: self.returns})
 
     def actor_batch(self, kl_loss: bool) -> SequenceBatch:
         """The actor's training batch: old log-probs, advantages, the reference log-probs under the
         KL loss and the correction's weights; the correction's loss mask, when it rejects, is the
         response mask (so the loss's totals count only what the update uses, as verl's rejection does)."""
         mask = self.correction.loss_mask if self.correction.loss_mask is not None else self.response_mask
-        return self._engine_batch(mask, {_OLD_LOGPROBS: self.old_logprobs, _ADVANTAGES: self.advantages,
-                                         **({_REF_LOGPROBS: self.ref_logprobs} if kl_loss else {}),
+        return self._engine_batch(mask, {_OLD_LOGPROBS: self.scored.old_logprobs, _ADVANTAGES: self.advantages,
+                                         **({_REF_LOGPROBS: self.scored.ref_logprobs} if kl_loss else {}),
                                          **({_IS_WEIGHTS: self.correction.weights} if self.correction.weights is not None else {})})
 
     def _engine_batch(self, mask: torch.Tensor, tensors: dict[str, torch.Tensor]) -> SequenceBatch:

@@ -368,8 +368,7 @@ class Trainer:
         # 5. Advantages and returns over the global batch.
         with clock("timing_s/adv"):
             advantages, returns = self._compute_advantages(rollout_batch, scores, token_rewards, scored.values, greedy)
-        record = StepRecord(batch=batch, response_mask=mask, old_logprobs=scored.old_logprobs, entropy=scored.entropy,
-                            ref_logprobs=scored.ref_logprobs, values=scored.values, scores=scores,
+        record = StepRecord(batch=batch, response_mask=mask, scored=scored, scores=scores,
                             token_rewards=token_rewards, advantages=advantages, returns=returns, correction=correction)
 
         # 6. Update: critic, then actor; each runs ppo_epochs x ppo_mini_batches optimizer steps.
@@ -389,14 +388,14 @@ class Trainer:
             self.kl_ctrl.update(reward_kl, n_steps=cfg.data.prompts_per_step * cfg.rollout.samples_per_prompt)
         batch_stats = self.global_batch.reduce(local_stats(
             scores=record.scores, token_rewards=record.token_rewards, mask=mask, advantages=record.advantages,
-            returns=record.returns, entropy=record.entropy, prompt_tokens=sum(batch.prompt_lens),
-            max_new_tokens=self.sampling.max_new_tokens, old_values=record.values,
+            returns=record.returns, entropy=record.scored.entropy, prompt_tokens=sum(batch.prompt_lens),
+            max_new_tokens=self.sampling.max_new_tokens, old_values=record.scored.values,
             samples_per_prompt=self.sampling.n,
             overlong_from=self.sampling.max_new_tokens - cfg.reward.overlong_buffer.len if cfg.reward.overlong_buffer.len else None,
-            rollout_prob_diff=token_prob_diff(rollout_batch.rollout_logprobs, record.old_logprobs, mask)))
+            rollout_prob_diff=token_prob_diff(rollout_batch.rollout_logprobs, record.scored.old_logprobs, mask)))
         after = self.guards.after_update(batch_stats["critic/score/mean"], all(math.isfinite(v) for v in update.values()))
         self._apply_guard_actions(after)
-        explained_var = (self.global_batch.explained_variance(record.returns, record.values, mask)
+        explained_var = (self.global_batch.explained_variance(record.returns, record.scored.values, mask)
                          if self.critic is not None else None)
         events = sync_check.events + before.events + after.events
         metrics = step_metrics(

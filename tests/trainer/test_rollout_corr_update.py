@@ -11,7 +11,7 @@ from conftest import make_model
 from megarl.algorithms import compute_rollout_correction, policy_loss
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
-from megarl.step_record import Correction, LossInputs, ModelOutputs, StepRecord, Totals, fields_of
+from megarl.step_record import Correction, LossInputs, ModelOutputs, Scores, StepRecord, Totals, fields_of
 
 pytestmark = [pytest.mark.slow]  # two Megatron engines with optimizers: 31 s measured on the loaded 2-core box
 
@@ -33,7 +33,7 @@ def _batch(rows):
 
 def _record(batch, old, adv, corr: Correction) -> StepRecord:
     mask = batch.response_mask
-    return StepRecord(batch=batch, response_mask=mask, old_logprobs=old, entropy=old, ref_logprobs=None, values=None,
+    return StepRecord(batch=batch, response_mask=mask, scored=Scores(old, old),
                       scores=torch.zeros(len(batch)), token_rewards=mask, advantages=adv, returns=adv, correction=corr)
 
 

@@ -14,7 +14,7 @@ from megarl import rollout_corr
 from megarl.config import load_config
 from megarl.engine.batch import SequenceBatch
 from megarl.global_batch import GlobalBatch
-from megarl.step_record import Correction, StepRecord, fields_of
+from megarl.step_record import Correction, Scores, StepRecord, fields_of
 
 
 def _rc(*overrides):
@@ -38,7 +38,7 @@ def _apply(batch, old, rollout, *overrides, raw=True) -> Correction:
 def _actor_batch(batch, old, corr: Correction) -> SequenceBatch:
     """The actor's training batch of a step record holding `corr` (the other fields do not matter here)."""
     mask = batch.response_mask
-    record = StepRecord(batch=batch, response_mask=mask, old_logprobs=old, entropy=old, ref_logprobs=None, values=None,
+    record = StepRecord(batch=batch, response_mask=mask, scored=Scores(old, old),
                         scores=torch.zeros(len(batch)), token_rewards=mask, advantages=mask, returns=mask, correction=corr)
     return record.actor_batch(kl_loss=False)
 
