@@ -81,7 +81,7 @@ demo-eval: setup
 # saves about ten minutes in CI; the image test then reads the resolved reports (seconds).
 DOCKER_TEST := tests/image/test_docker_check.py::test_make_docker_check_passes_on_the_image_and_fails_on_the_old_one
 test: $(FULL_SETUP) multinode-deps monitor-deps
-	@mkdir -p runs; \
+	@mkdir -p runs; rm -f runs/test-durations.json; \
 	$(MAKE) --no-print-directory $(CORE_SETUP) venv-vllm docker-check > runs/envs.log 2>&1 & envs=$$!; \
 	status=0; \
 	$(MAKE) --no-print-directory test-full TEST_FULL_ARGS="--deselect $(DOCKER_TEST)" || status=1; \
@@ -90,21 +90,22 @@ test: $(FULL_SETUP) multinode-deps monitor-deps
 	$(MAKE) --no-print-directory test-core || status=1; \
 	wait $$vllm || status=1; \
 	echo "--- make test-vllm (ran beside test-core; log: runs/test-vllm.log) ---"; cat runs/test-vllm.log; \
-	$(FULL_BIN)/python -m pytest $(DOCKER_TEST) || status=1; \
+	MEGARL_TEST_TIER=image $(FULL_BIN)/python -m pytest $(DOCKER_TEST) || status=1; \
+	$(FULL_BIN)/python tests/tier_budgets.py $(if $(MEGARL_CI_START),--ci-start $(MEGARL_CI_START)); \
 	exit $$status
 
 # The cross-release checkpoint test needs both stacks: it runs in test-core, in both directions.
 test-full: $(FULL_SETUP) multinode-deps monitor-deps
-	$(FULL_BIN)/python -m pytest tests --durations=60 $(TEST_FULL_ARGS)
+	MEGARL_TEST_TIER=full $(FULL_BIN)/python -m pytest tests --durations=60 $(TEST_FULL_ARGS)
 
 test-core: setup setup-py312
-	MEGARL_OTHER_PYTHON=$(abspath $(FULL_BIN))/python $(CORE_BIN)/python -m pytest $(CORE_TESTS)
-	MEGARL_OTHER_PYTHON=$(abspath $(CORE_BIN))/python $(FULL_BIN)/python -m pytest \
+	MEGARL_TEST_TIER=core MEGARL_OTHER_PYTHON=$(abspath $(FULL_BIN))/python $(CORE_BIN)/python -m pytest $(CORE_TESTS)
+	MEGARL_TEST_TIER=core-cross MEGARL_OTHER_PYTHON=$(abspath $(CORE_BIN))/python $(FULL_BIN)/python -m pytest \
 		tests/platform/test_checkpoint_version.py::test_checkpoint_written_by_the_other_release
 
 # HF_HUB_OFFLINE: nothing is fetched from a model hub; the tests build their tiny models locally.
 test-vllm: venv-vllm
-	HF_HUB_OFFLINE=1 MEGARL_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest tests/vllm
+	MEGARL_TEST_TIER=vllm HF_HUB_OFFLINE=1 MEGARL_REQUIRE_VLLM=1 $(VLLM_BIN)/python -m pytest tests/vllm
 
 # Two nodes as network namespaces, a real Slurm (slurmctld + one slurmd per node), preemption and
 # stalled-rank tests (tests/multinode, also part of the full suite). Needs root for namespaces;
@@ -126,7 +127,7 @@ multinode-deps:
 # The edit loop: pure math, config, data, single-process parity (no slow, multiprocess, gpu or
 # vllm tests); under 5 minutes on 2 cores. `make test` still runs everything.
 test-fast: setup
-	$(BIN)/python -m pytest tests -m "not slow and not multiprocess and not gpu and not vllm"
+	MEGARL_TEST_TIER=fast $(BIN)/python -m pytest tests -m "not slow and not multiprocess and not gpu and not vllm"
 
 # --- the GPU image ---------------------------------------------------------------------------------------
 # docker-check: the pins of docker/Dockerfile (docker/requirements/) resolve, without installing, for Linux

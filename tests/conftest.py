@@ -186,3 +186,53 @@ def world_of_one():
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+# ---------------------------------------------------------------------------------------------- durations
+# `make test` names each tier (MEGARL_TEST_TIER=full / core / vllm / ...); a named tier writes its wall time
+# and every test's duration (setup + call + teardown) into runs/test-durations.json, which
+# tests/tier_budgets.py then reads against the budgets of docs/testing.md. Tiers run side by side (core
+# beside vllm), so the file is updated under a lock.
+_TIER_STARTED: list[float] = []
+_TIER_DURATIONS: dict[str, float] = {}
+_TIER_OUTCOMES: dict[str, str] = {}
+
+
+def pytest_sessionstart(session):
+    import time
+
+    _TIER_STARTED.append(time.time())
+
+
+def pytest_runtest_logreport(report):
+    _TIER_DURATIONS[report.nodeid] = _TIER_DURATIONS.get(report.nodeid, 0.0) + report.duration
+    if report.when == "call" or report.outcome != "passed":
+        _TIER_OUTCOMES[report.nodeid] = report.outcome
+
+
+def pytest_sessionfinish(session, exitstatus):
+    tier = os.environ.get("MEGARL_TEST_TIER")
+    if not tier or not _TIER_STARTED:
+        return
+    import fcntl
+    import json
+    import time
+
+    out = REPO / "runs" / "test-durations.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    outcomes = list(_TIER_OUTCOMES.values())
+    entry = {
+        "wall_s": round(time.time() - _TIER_STARTED[0], 1),
+        "collected": session.testscollected,
+        "passed": outcomes.count("passed"),
+        "failed": outcomes.count("failed"),
+        "skipped": outcomes.count("skipped"),
+        "exit_status": int(exitstatus),
+        "python": sys.version.split()[0],
+        "tests": {k: round(v, 2) for k, v in sorted(_TIER_DURATIONS.items(), key=lambda kv: -kv[1])},
+    }
+    with open(out.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = json.loads(out.read_text()) if out.exists() and out.stat().st_size else {}
+        data.setdefault("tiers", {})[tier] = entry
+        out.write_text(json.dumps(data, indent=1) + "\n")
