@@ -9,6 +9,10 @@
                                             # Trainer.train
     run.close()                             # process groups down, the lock released
 
+A Run opened inside a process group that already exists (a test world, a user's own launcher) leaves
+that group up when it closes: it ends only the groups it started (Megatron's always; the default group
+when it started it).
+
 This is the one module that takes the run-directory lock and decides where a run resumes
 (tests/docs/test_house_rules.py checks that no other module does). Every refusal is printed once,
 in one line, by rank 0 (by the first rank while no process group exists yet), then `Refused` is
@@ -91,6 +95,7 @@ class Run:
         self.snapshots: dict = {}  # config key -> hub snapshot, for models named by hub id
         self.records: dict = {}  # flat config plus the hub commits: the tracker's params, the segment record
         self.start: Path | None = None  # the checkpoint this segment resumed from
+        self.owns_process_group = True  # open() started torch.distributed (else the caller's to end)
 
     # --- before the trainer -------------------------------------------------------------------------
     @classmethod
@@ -101,16 +106,18 @@ class Run:
         quiet_known_warnings()
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         cfg, sizes = check_config(config_path, overrides, world_size)
+        import torch.distributed as dist  # only now: a config mistake exits before torch loads
 
+        owns_process_group = not dist.is_initialized()
         separate = None
         if cfg.rollout.placement == "separate":  # the last rollout.num_ranks ranks only generate (megarl/placement.py)
-            import torch.distributed as dist
-
             from megarl import placement
 
             separate = placement.start(cfg, world_size)
             if separate.placement.is_rollout(dist.get_rank()):
-                return cls(cfg, sizes, overrides, None, separate)  # serve_rollout() is all it does
+                run = cls(cfg, sizes, overrides, None, separate)  # serve_rollout() is all it does
+                run.owns_process_group = owns_process_group
+                return run
             world_size = separate.placement.train_size
         from megarl.parallel import ParallelDims
 
@@ -120,6 +127,7 @@ class Run:
                             last_stage_layers=layout.last_stage_layers, sequence_parallel=layout.sequence_parallel)
         dims.initialize(seed=cfg.trainer.seed)
         run = cls(cfg, sizes, overrides, dims, separate)
+        run.owns_process_group = owns_process_group
         run._lock()
         run._prepare()
         run._fetch_models()
@@ -137,7 +145,8 @@ class Run:
         from megarl.async_rollout.server import run_rollout_rank
 
         code = run_rollout_rank(self.cfg, self.separate, self.rank)
-        dist.destroy_process_group()
+        if self.owns_process_group:
+            dist.destroy_process_group()
         return code
 
     def _fail(self, problem: str | None) -> None:
@@ -339,6 +348,7 @@ class Run:
 
         dist.barrier()
         self.dims.destroy()
-        dist.destroy_process_group()
+        if self.owns_process_group:  # else the world it was opened in goes on (a test world, a user's launcher)
+            dist.destroy_process_group()
         if self.lock is not None:
             self.lock.release()

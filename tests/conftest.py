@@ -75,10 +75,24 @@ def spawn(fn, nproc: int, *args) -> None:
 
 
 def torchrun(nproc: int, args: list[str], timeout: int = 600, env: dict | None = None,
-             check: bool = True) -> subprocess.CompletedProcess:
+             check: bool = True, fresh: bool = False) -> subprocess.CompletedProcess:
     """Run `torchrun --standalone --nproc_per_node nproc <args>` from the repository root (nproc 0:
     plain `python <args>`, one process without torchrun); with check, fail the test with the
-    output's tail on a non-zero exit."""
+    output's tail on a non-zero exit.
+
+    Where it fits one, the run is a job of the session's persistent world of nproc ranks instead
+    (tests/worlds.py: nproc 0 is the world of one), with the same exit code and output: a worker script
+    or module, or launch/ppo.py colocated, with no environment of its own. fresh=True (or
+    MEGARL_TEST_WORLDS=0) always starts new processes, for a test about the processes themselves."""
+    import worlds
+
+    if not fresh and worlds.fits(nproc, args, env):
+        w = worlds.world(max(nproc, 1))
+        proc = w.ppo(args[1:], timeout=timeout) if args[0] == "launch/ppo.py" else w.script(args, timeout=timeout)
+        if check and proc.returncode != 0:
+            pytest.fail(f"torchrun {' '.join(args)} (a job of the world of {w.nproc}) exited {proc.returncode}:\n"
+                        f"{(proc.stdout + proc.stderr)[-6000:]}")
+        return proc
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
     cmd = [sys.executable, *launcher, *args]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
@@ -211,6 +225,9 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    import worlds  # the persistent test worlds (tests/worlds.py) end with the session
+
+    worlds.stop_all()
     tier = os.environ.get("MEGARL_TEST_TIER")
     if not tier or not _TIER_STARTED:
         return

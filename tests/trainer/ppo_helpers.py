@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import worlds
 from conftest import REPO, torchrun
 
 
@@ -54,8 +55,15 @@ def launch(nproc: int, overrides: list[str], config: str = "configs/tiny_cpu.yam
     return torchrun(nproc, ["launch/ppo.py", "--config", config, *overrides], timeout=timeout, check=False, env=env)
 
 
-def launch_ok(nproc: int, overrides: list[str], **kw) -> subprocess.CompletedProcess:
-    proc = launch(nproc, overrides, **kw)
+def launch_ok(nproc: int, overrides: list[str], config: str = "configs/tiny_cpu.yaml", timeout: int = 900,
+              env: dict | None = None) -> subprocess.CompletedProcess:
+    """launch/ppo.py run to success, as a job of the session's world of nproc ranks where it fits one
+    (nproc 0: the world of one), else as its own launch; fails the test with the output's tail."""
+    argv = ["--config", config, *overrides]
+    if worlds.fits(nproc, ["launch/ppo.py", *argv], env):
+        proc = worlds.world(max(nproc, 1)).ppo(argv, timeout=timeout)
+    else:
+        proc = launch(nproc, overrides, config=config, timeout=timeout, env=env)
     if proc.returncode != 0:
         pytest.fail(f"launch/ppo.py exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-6000:]}")
     return proc

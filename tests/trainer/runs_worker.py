@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -20,26 +21,28 @@ from megarl.run import Run  # noqa: E402
 
 
 def one_run(config: str, overrides: list[str]) -> None:
-    import torch.distributed as dist
-
     run = Run.open(config, overrides)
     run.train(run.build_trainer())
-    dist.barrier()
-    run.dims.destroy()  # Run.close without destroy_process_group: the next run reuses the group
-    if run.lock is not None:
-        run.lock.release()
+    run.close()  # opened inside this script's process group, which stays up for the next run
     gc.collect()
 
 
 def main() -> int:
+    import torch.distributed as dist
+
+    from megarl.platform import init_platform
+
+    if "RANK" not in os.environ:  # plain `python runs_worker.py`: a world of one
+        from megarl.parallel import _free_port
+
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group(backend=init_platform().backend)  # this script's world, for every run
     p = argparse.ArgumentParser()
     p.add_argument("--config", required=True)
     p.add_argument("--runs", required=True)
     args = p.parse_args()
     for overrides in json.loads(Path(args.runs).read_text()):
         one_run(args.config, overrides)
-    import torch.distributed as dist
-
     dist.destroy_process_group()
     return 0
 

@@ -91,7 +91,9 @@ def test_a_run_dir_in_use_is_refused_naming_the_holder(tmp_path):
 
 @pytest.mark.multiprocess
 def test_a_config_error_under_torchrun_is_printed_once():
-    proc = torchrun(2, ["launch/ppo.py", "--config", "configs/tiny_cpu.yaml", "parallel.tp=two"], timeout=300, check=False)
+    # fresh: this is about torchrun itself (it stops the other workers as soon as one exits)
+    proc = torchrun(2, ["launch/ppo.py", "--config", "configs/tiny_cpu.yaml", "parallel.tp=two"], timeout=300, check=False,
+                    fresh=True)
     assert proc.returncode != 0
     assert proc.stderr.count("config error: parallel.tp") == 1, proc.stderr
 

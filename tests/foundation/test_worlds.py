@@ -1,0 +1,55 @@
+"""The persistent test worlds (tests/worlds.py): many jobs per world, output and exit codes as torchrun's,
+and a world whose job failed or hung is stopped and started fresh before the next job."""
+from __future__ import annotations
+
+import pytest
+
+import worlds
+
+pytestmark = pytest.mark.multiprocess
+JOBS = "foundation.world_jobs"
+
+
+@pytest.fixture
+def world2():
+    if not worlds.enabled():
+        pytest.skip("MEGARL_TEST_WORLDS=0")
+    return worlds.world(2)
+
+
+def test_jobs_share_a_world_and_its_group(world2):
+    first = world2.call(f"{JOBS}:rank_and_pid")
+    assert [rank for rank, _ in first] == [0, 1]
+    assert world2.call(f"{JOBS}:all_reduce_rank") == [1, 1]
+    assert world2.call(f"{JOBS}:rank_and_pid") == first  # the same processes: nothing started again
+
+
+def test_a_failed_job_is_named_and_the_next_job_gets_a_fresh_world(world2):
+    before = world2.call(f"{JOBS}:rank_and_pid")
+    with pytest.raises(worlds.WorldFailed, match=r"(?s)rank 1 fails on purpose"):
+        world2.call(f"{JOBS}:print_and_fail_on", 1)
+    after = world2.call(f"{JOBS}:rank_and_pid")
+    assert {pid for _, pid in after}.isdisjoint(pid for _, pid in before)
+    assert world2.call(f"{JOBS}:all_reduce_rank") == [1, 1]
+
+
+def test_output_and_exit_codes_are_torchruns(world2):
+    proc = world2.script(["-m", "foundation.world_exit", "3"])
+    assert proc.returncode == 1  # torchrun's code when a worker fails
+    ok = world2.script(["-m", "foundation.world_exit", "0"])
+    assert ok.returncode == 0 and ok.stdout.count("exiting with 0") == 2, ok.stdout
+    one = worlds.world(1).script(["-m", "foundation.world_exit", "2"])
+    assert one.returncode == 2 and "exiting with 2" in one.stdout  # a world of one: the code itself, as `python`
+
+
+def test_a_job_that_ends_the_default_group_leaves_a_world_that_works(world2):
+    world2.call(f"{JOBS}:end_the_default_group")
+    assert world2.call(f"{JOBS}:all_reduce_rank") == [1, 1]
+
+
+def test_a_hung_job_is_stopped_at_its_timeout_naming_the_rank(world2):
+    before = world2.call(f"{JOBS}:rank_and_pid")
+    with pytest.raises(worlds.WorldFailed, match=r"rank 0 did not finish within 5 s"):
+        world2.call(f"{JOBS}:hang_on", 0, timeout=5)
+    after = world2.call(f"{JOBS}:rank_and_pid")
+    assert {pid for _, pid in after}.isdisjoint(pid for _, pid in before)
