@@ -75,4 +75,7 @@ def distill_loss(logp: torch.Tensor, teacher_logp: torch.Tensor, response_mask: 
     logp: the current policy's log-probs (with gradient); aggregation `mode` and `totals` as in
     megarl.algorithms.agg_loss. Value k1, gradient k2's (see the module docstring)."""
     _check_shapes(logp=logp, teacher_logp=teacher_logp, response_mask=response_mask)
-    return agg_loss(kl_penalty(logp, teacher_logp.to(logp.dtype), "k1+"), response_mask, mode, **totals)
+    # off the mask the teacher equals the policy (log-ratio 0): garbage there (nan, -inf) would reach
+    # the gradient through k2 even though agg_loss masks the value
+    teacher_logp = torch.where(response_mask != 0, teacher_logp.to(logp.dtype), logp.detach())
+    return agg_loss(kl_penalty(logp, teacher_logp, "k1+"), response_mask, mode, **totals)
