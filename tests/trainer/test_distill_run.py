@@ -144,7 +144,6 @@ def hf_logprobs_unmasked(root, batch) -> torch.Tensor:
     return hf_logprobs(root / "student", full, 1.0) - hf_logprobs(root / "teacher", full, 1.0)
 
 
-@pytest.mark.slow
 def test_student_distils_a_teacher_that_solves_the_task(models, world_of_one, tmp_path):
     """No task reward: 50 steps of 16 prompts x 4 samples from the shipped config (lr raised for the
     small batch) take the 1-layer student from greedy exact match 0 to the teacher's on held-out
