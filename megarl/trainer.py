@@ -167,9 +167,9 @@ class Trainer:
         self.ref = (MegatronEngine(cfg.model.path, dims, engine_config(cfg, "ref", t.total_steps), trainable=False)
                     if self.uses_ref and not self.ref_from_actor else None)
         # algorithm.distill: a teacher built as the reference is, scoring the samples (megarl.distill)
-        teacher_path = alg.distill.teacher_path
-        self.distill = (build_distillation(alg.distill, MegatronEngine(teacher_path, dims, engine_config(cfg, "ref", t.total_steps), trainable=False),
-                                           self.actor, cfg.model.path, self.global_batch) if teacher_path else None)
+        teacher = (MegatronEngine(alg.distill.teacher_path, dims, engine_config(cfg, "ref", t.total_steps), trainable=False)
+                   if alg.distill.teacher_path else None)
+        self.distill = build_distillation(alg.distill, teacher, self.actor, cfg.model.path, self.global_batch) if teacher else None
         kl_cfg = alg.kl_ctrl
         # The KL coefficient's one writer: the controller (its update, and raise_coef for the KL guard).
         self.kl_ctrl = (A.AdaptiveKLController(kl_cfg.kl_coef, kl_cfg.target_kl, kl_cfg.horizon,
