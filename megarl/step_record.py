@@ -6,7 +6,7 @@ left-aligned (response token j of sequence i at [i, j]), zero past a response's 
 holds b rows of the step (b <= n; filler rows are zeros).
 
 The trainer builds each record once, from the phase that computes it:
-    Scores      3 score        old log-probs, entropy, reference log-probs, values
+    Scores      3 score        old log-probs, entropy, reference log-probs, values, teacher log-probs
     Correction  3 score        algorithm.rollout_correction's importance weights and loss mask
     StepRecord  5 advantages   everything above plus rewards, advantages and returns
 and the updates read the StepRecord. The engine works on `SequenceBatch` with per-token tensors by
@@ -24,6 +24,7 @@ from megarl.engine.batch import SequenceBatch
 # the per-token tensors of a SequenceBatch the engine cuts into micro-batches, by name
 _MASK, _OLD_LOGPROBS, _REF_LOGPROBS, _OLD_VALUES = "response_mask", "old_logprobs", "ref_logprobs", "old_values"
 _ADVANTAGES, _RETURNS, _IS_WEIGHTS = "advantages", "returns", "rollout_is_weights"
+_TEACHER_LOGPROBS = "teacher_logprobs"
 
 
 @dataclass(frozen=True)
@@ -35,12 +36,15 @@ class Scores:
     entropy: [n, R] the actor's entropy of that distribution at each response position.
     ref_logprobs: [n, R] the reference policy's log-probs; None without a KL term.
     values: [n, R] the critic's value of the state before each response token; None without a critic.
+    teacher_logprobs: [n, R] algorithm.distill's teacher's log-probs of the sampled tokens (the same
+        distribution as the reference's), 0 off the mask; None without distillation.
     """
 
     old_logprobs: torch.Tensor
     entropy: torch.Tensor
     ref_logprobs: torch.Tensor | None = None
     values: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,8 @@ class StepRecord:
     response_mask: [n, R] 1 on the policy's response tokens (float32).
     scored: phase 3's `Scores` (old and reference log-probs, entropy, the critic's old values).
     scores: [n] the reward function's score of each sample (plus environment and overlong terms).
-    token_rewards: [n, R] the score on the last policy token, minus the KL penalty when it is in the reward.
+    token_rewards: [n, R] the score on the last policy token, minus the KL penalty when it is in the reward,
+        plus algorithm.distill's per-token term in its reward mode.
     advantages, returns: [n, R] this rank's rows of the global batch's advantages and returns, masked.
     correction: the rollout correction's weights and loss mask (`Correction`).
     """
@@ -85,13 +90,15 @@ class StepRecord:
         """The critic's training batch: old values and returns under the response mask."""
         return self._engine_batch(self.response_mask, {_OLD_VALUES: self.scored.values, _RETURNS: self.returns})
 
-    def actor_batch(self, kl_loss: bool) -> SequenceBatch:
+    def actor_batch(self, kl_loss: bool, distill_loss: bool = False) -> SequenceBatch:
         """The actor's training batch: old log-probs, advantages, the reference log-probs under the
-        KL loss and the correction's weights; the correction's loss mask, when it rejects, is the
-        response mask (so the loss's totals count only what the update uses, as verl's rejection does)."""
+        KL loss, the teacher's under the distillation loss and the correction's weights; the
+        correction's loss mask, when it rejects, is the response mask (so the loss's totals count
+        only what the update uses, as verl's rejection does)."""
         mask = self.correction.loss_mask if self.correction.loss_mask is not None else self.response_mask
         return self._engine_batch(mask, {_OLD_LOGPROBS: self.scored.old_logprobs, _ADVANTAGES: self.advantages,
                                          **({_REF_LOGPROBS: self.scored.ref_logprobs} if kl_loss else {}),
+                                         **({_TEACHER_LOGPROBS: self.scored.teacher_logprobs} if distill_loss else {}),
                                          **({_IS_WEIGHTS: self.correction.weights} if self.correction.weights is not None else {})})
 
     def _engine_batch(self, mask: torch.Tensor, tensors: dict[str, torch.Tensor]) -> SequenceBatch:
@@ -116,12 +123,13 @@ class LossInputs:
     rollout_is_weights: torch.Tensor | None = None
     old_values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
 
     @classmethod
     def of(cls, mb: dict) -> "LossInputs":
         """From the engine's micro-batch (megarl.engine.micro_batches.build)."""
         return cls(mb[_MASK], mb["response_tokens"], mb.get(_OLD_LOGPROBS), mb.get(_ADVANTAGES), mb.get(_REF_LOGPROBS),
-                   mb.get(_IS_WEIGHTS), mb.get(_OLD_VALUES), mb.get(_RETURNS))
+                   mb.get(_IS_WEIGHTS), mb.get(_OLD_VALUES), mb.get(_RETURNS), mb.get(_TEACHER_LOGPROBS))
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ the algorithm box of a paper.
         ppo_step:
             1 sync        actor weights -> rollout engine (3D-HybridEngine, bucketed)
             2 generate    n samples per prompt, seeded by (seed, step, prompt, sample) -> Sample records
-            3 score       old log-probs (+ entropy), reference log-probs, values
-            4 rewards     reward function, KL in the reward
+            3 score       old log-probs (+ entropy), reference log-probs, values, teacher log-probs
+            4 rewards     reward function, KL in the reward, the distillation term (algorithm.distill)
             5 advantages  GAE / GRPO / RLOO / REINFORCE++ / ReMax over the *global* batch
             6 update      critic (clipped value loss), then actor (clipped surrogate, dual-clip, KL,
                           entropy), each ppo_epochs x ppo_mini_batches optimizer steps
@@ -43,6 +43,7 @@ from megarl.async_rollout.trainer_side import remote_setup, take_step
 from megarl.config import Config
 from megarl.data.dataset import PromptDataset, PromptRow
 from megarl.data.tokenizer import load_tokenizer
+from megarl.distill import build_distillation
 from megarl.dynamic_sampling import FilteredRollout, generate_filtered
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
@@ -165,6 +166,10 @@ class Trainer:
         self.ref_from_actor = self.uses_ref and cfg.actor.lora.rank > 0 and not cfg.ref.separate_model
         self.ref = (MegatronEngine(cfg.model.path, dims, engine_config(cfg, "ref", t.total_steps), trainable=False)
                     if self.uses_ref and not self.ref_from_actor else None)
+        # algorithm.distill: a teacher built as the reference is, scoring the samples (megarl.distill)
+        teacher = (MegatronEngine(alg.distill.teacher_path, dims, engine_config(cfg, "ref", t.total_steps), trainable=False)
+                   if alg.distill.teacher_path else None)
+        self.distill = build_distillation(alg.distill, teacher, self.actor, cfg.model.path, self.global_batch) if teacher else None
         kl_cfg = alg.kl_ctrl
         # The KL coefficient's one writer: the controller (its update, and raise_coef for the KL guard).
         self.kl_ctrl = (A.AdaptiveKLController(kl_cfg.kl_coef, kl_cfg.target_kl, kl_cfg.horizon,
@@ -351,9 +356,14 @@ class Trainer:
         if self.critic is not None:
             with clock("timing_s/values"):
                 values = ModelOutputs.of(self.critic.forward_only(batch)).values
-        scored = Scores(old.logprobs, old.entropy, ref_logprobs, values)
+        teacher_logprobs = None
+        if self.distill is not None:
+            with clock("timing_s/teacher"):
+                teacher_logprobs = self.distill.score(batch, self.sampling.temperature, self.sampling.banned_token_ids)
+        scored = Scores(old.logprobs, old.entropy, ref_logprobs, values, teacher_logprobs)
 
-        # 4. Rewards: the reward function's score on the last response token, minus the KL penalty.
+        # 4. Rewards: the reward function's score on the last response token, minus the KL penalty
+        # (plus the teacher's per-token term under algorithm.distill.mode=reward).
         with clock("timing_s/reward"):
             scores = torch.tensor(filtered.scores if filtered else self._score(samples), dtype=torch.float32)
             token_scores = _scores_at_last_token(scores, mask)
@@ -364,10 +374,14 @@ class Trainer:
             if self.uses_ref:
                 kl = A.kl_penalty(scored.old_logprobs, scored.ref_logprobs, alg.kl_penalty) * mask
                 reward_kl = self.global_batch.mean(A.masked_mean(kl, mask, dim=-1))
+            advantage_scores = scores  # what GRPO / RLOO / ReMax read: plus the distillation term in its reward mode
+            if self.distill is not None:
+                token_rewards, advantage_scores = self.distill.shape_rewards(token_rewards, scores, scored.old_logprobs,
+                                                                             scored.teacher_logprobs, mask)
 
         # 5. Advantages and returns over the global batch.
         with clock("timing_s/adv"):
-            advantages, returns = self._compute_advantages(rollout_batch, scores, token_rewards, scored.values, greedy)
+            advantages, returns = self._compute_advantages(rollout_batch, advantage_scores, token_rewards, scored.values, greedy)
         record = StepRecord(batch=batch, response_mask=mask, scored=scored, scores=scores,
                             token_rewards=token_rewards, advantages=advantages, returns=returns, correction=correction)
 
@@ -411,6 +425,8 @@ class Trainer:
         metrics.update(filtered.metrics if filtered else {})
         metrics.update(async_metrics)
         metrics.update(episodes)
+        if self.distill is not None:
+            metrics.update(self.distill.metrics(scored.old_logprobs, scored.teacher_logprobs, mask))
         return StepResult(metrics, events)
 
     def validate(self) -> dict[str, float]:
@@ -568,10 +584,15 @@ class Trainer:
                 kl = A.agg_loss(A.kl_penalty(o.logprobs, x.ref_logprobs, actor_cfg.kl_loss_type), mask, agg_mode, **agg)
                 loss = loss + actor_cfg.kl_loss_coef * kl
                 metrics["actor/kl_loss"] = _local_loss_value(kl, t, x)
+            if distill_loss:  # algorithm.distill.mode=loss: the reverse KL to the teacher (megarl.distill)
+                rkl = self.distill.loss(o.logprobs, x.teacher_logprobs, mask, agg_mode, **agg)
+                loss = loss + self.distill.coef * rkl
+                metrics["actor/distill_loss"] = _local_loss_value(rkl, t, x)
             return loss, metrics
 
         # for epoch in ppo_epochs: for mini_batch in ppo_mini_batches: forward/backward its micro-batches, optimizer step
-        batch = record.actor_batch(kl_loss=actor_cfg.use_kl_loss)
+        distill_loss = self.distill is not None and self.distill.in_loss
+        batch = record.actor_batch(kl_loss=actor_cfg.use_kl_loss, distill_loss=distill_loss)
         stats = self.actor.train_step(batch, loss_fn, fields=fields_of(batch), epochs=actor_cfg.ppo_epochs,
                                       mini_batches=actor_cfg.ppo_mini_batches, shuffle_seed=self._shuffle_seed(0),
                                       entropy=actor_cfg.entropy_coeff > 0,
@@ -634,7 +655,8 @@ class Trainer:
                 engine.scale_lr(0.5)
 
     def _engines(self) -> list:
-        return [engine for engine in (self.actor, self.critic, self.ref) if engine is not None]
+        teacher = self.distill.teacher if self.distill is not None else None
+        return [engine for engine in (self.actor, self.critic, self.ref, teacher) if engine is not None]
 
     def _offload_all(self) -> None:
         """Training state out of the way of the rollout (as configured; bytes counted by the engines)."""

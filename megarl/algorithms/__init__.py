@@ -1,4 +1,5 @@
-"""The RL math of megarl: advantage estimators, PPO losses, KL estimators and controllers.
+"""The RL math of megarl: advantage estimators, PPO losses, KL estimators and controllers, and
+on-policy distillation's reverse-KL terms.
 
 Pure functions of tensors: no process groups inside (except the vocab-parallel full KL, which takes
 the TP group explicitly); reductions over the global batch take its totals as arguments.
@@ -11,6 +12,13 @@ from megarl.algorithms.advantages import (
     compute_reinforce_pp_returns,
     compute_remax_advantages,
     compute_rloo_advantages,
+)
+from megarl.algorithms.distill import (
+    DISTILL_MODES,
+    distill_loss,
+    distill_sequence_rewards,
+    distill_token_rewards,
+    reverse_kl_per_token,
 )
 from megarl.algorithms.functional import masked_mean, masked_sum, masked_var, masked_whiten
 from megarl.algorithms.kl import (
@@ -28,6 +36,7 @@ from megarl.algorithms.rollout_correction import CORRECTION_MODES, Correction, c
 __all__ = [
     "AGG_MODES",
     "CORRECTION_MODES",
+    "DISTILL_MODES",
     "Correction",
     "KL_KINDS",
     "KL_KINDS_ALL",
@@ -41,6 +50,9 @@ __all__ = [
     "compute_reinforce_pp_returns",
     "compute_remax_advantages",
     "compute_rloo_advantages",
+    "distill_loss",
+    "distill_sequence_rewards",
+    "distill_token_rewards",
     "full_kl_penalty",
     "gspo_policy_loss",
     "kl_penalty",
@@ -49,6 +61,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "policy_loss",
+    "reverse_kl_per_token",
     "compute_rollout_correction",
     "value_loss",
 ]

@@ -63,6 +63,10 @@ def check_model_path(cfg: Config) -> None:
     if "model.path" not in refs and not os.path.isdir(cfg.model.path) and not cfg.model.make_tiny.enable:
         raise ConfigError(f"model.path: {cfg.model.path} does not exist (give a Hugging Face model directory or a hub "
                           f"id such as Qwen/Qwen2.5-0.5B-Instruct, or set model.make_tiny.enable=true for a tiny random model)")
+    teacher = cfg.algorithm.distill.teacher_path
+    if teacher and not os.path.isfile(os.path.join(teacher, "config.json")):
+        raise ConfigError(f"algorithm.distill.teacher_path: {teacher} is not a Hugging Face model directory (no config.json); "
+                          f"give the teacher's directory (hub ids are not read here: download it first)")
     if hub.offline():
         for key, ref in refs.items():
             if hub.cached(ref) is None:
@@ -75,8 +79,9 @@ def check_model_layout(cfg: Config, model_dirs: dict[str, str] | None = None) ->
     layers over the (uneven, virtual) pipeline stages, experts over ep, expert widths over etp, MoE
     at tp > 1 without sequence parallelism, tied embeddings with vpp. config.json is read by the model builder's parser
     (megarl.models.families), so a model it cannot build is refused here too. Skipped while the
-    model is still to be made or downloaded. The critic's trunk (critic.model_path) and a reward model
-    (reward.model_path, forward only) are checked the same way. `model_dirs`: {config key: local
+    model is still to be made or downloaded. The critic's trunk (critic.model_path), a reward model
+    (reward.model_path, forward only) and a distillation teacher (algorithm.distill.teacher_path,
+    forward only; its vocabulary must be the student's) are checked the same way. `model_dirs`: {config key: local
     directory} of models named by hub id and resolved since (the launcher checks again with them)."""
     from megarl.layout import ModelShape, check_model, refuse_moe_tensor_parallel
     from megarl.models.families import load_spec
@@ -114,6 +119,9 @@ def check_model_layout(cfg: Config, model_dirs: dict[str, str] | None = None) ->
         models.append(("critic.model_path", cfg.critic.model_path, True))
     if cfg.reward.kind == "model" and cfg.reward.model_path:
         models.append(("reward.model_path", cfg.reward.model_path, False))
+    if cfg.algorithm.distill.teacher_path:  # forward only, laid out as the reference model
+        models.append(("algorithm.distill.teacher_path", cfg.algorithm.distill.teacher_path, False))
+    vocab_sizes = {}
     for key, path, training in models:
         directory = local_dir(key, path)
         if directory is None:
@@ -121,10 +129,16 @@ def check_model_layout(cfg: Config, model_dirs: dict[str, str] | None = None) ->
         try:
             spec = load_spec(directory)  # UnsupportedModelError: the loader's message, here before any model exists
             check_model(ModelShape.of_spec(spec), layout, training=training)
+            vocab_sizes[key] = spec.vocab_size
             for role in _lora_roles(cfg, key):
                 check_targets(getattr(cfg, role).lora.target_modules, spec, f"{role}.lora")
         except ValueError as err:
             raise ConfigError(f"{err} ({key} {path})") from None
+    teacher_vocab, student_vocab = vocab_sizes.get("algorithm.distill.teacher_path"), vocab_sizes.get("model.path")
+    if None not in (teacher_vocab, student_vocab) and teacher_vocab != student_vocab:
+        raise ConfigError(f"algorithm.distill.teacher_path: the teacher's vocabulary has {teacher_vocab} tokens, the student's "
+                          f"(model.path) {student_vocab}: the teacher scores the student's token ids, so it needs the "
+                          f"student's tokenizer")
 
 
 def _lora_roles(cfg: Config, key: str) -> list[str]:

@@ -277,8 +277,9 @@ class OverlongBufferConfig:
 
 @dataclass
 class RewardConfig:
-    kind: Literal["auto", "gsm8k", "arithmetic", "function", "model"] = knob(
-        "auto", "auto picks the rule by each row's data_source (gsm8k, arithmetic)")
+    kind: Literal["auto", "gsm8k", "arithmetic", "function", "model", "none"] = knob(
+        "auto", "auto picks the rule by each row's data_source (gsm8k, arithmetic); none: no task reward, every score 0 "
+                "(on-policy distillation alone, algorithm.distill)")
     function: Optional[str] = knob(None, "'module:function' for kind=function, called like megarl.rewards.RewardFn")
     model_path: Optional[str] = knob(None, "reward model (HF directory or hub id, with a scalar head) for kind=model")
     gsm8k_method: Literal["strict", "flexible"] = knob("strict", "strict: answer after '####'; flexible: last number")
@@ -323,6 +324,18 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class DistillConfig:
+    teacher_path: Optional[str] = knob(
+        None, "on-policy distillation: a Hugging Face model directory (the teacher: frozen, laid out like the reference model, "
+              "same tokenizer and vocabulary as model.path, may be larger) that scores each sampled response token by "
+              "token; null = off (docs/algorithms.md)")
+    coef: float = knob(1.0, "weight of the per-token reverse KL(policy || teacher) term", ge=0)
+    mode: Literal["reward", "loss"] = knob(
+        "reward", "reward: add coef * (teacher_logp - policy_logp) to each token's reward before the advantages; loss: add "
+                  "coef * the per-token reverse-KL estimate to the actor's loss (as actor.use_kl_loss does)")
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "remax"] = knob(
         "gae", "advantage estimator; gae trains a critic")
@@ -336,6 +349,7 @@ class AlgorithmConfig:
     rollout_correction: RolloutCorrectionConfig = section(
         RolloutCorrectionConfig, "off-policy correction of the engine/trainer mismatch and staleness (verl's "
                                  "algorithm.rollout_correction)")
+    distill: DistillConfig = section(DistillConfig, "on-policy distillation from a teacher model (reverse KL per token)")
 
 
 @dataclass

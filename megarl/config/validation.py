@@ -74,6 +74,12 @@ def validate(cfg: Config, world_size: int | None = None) -> BatchSizes | None:
         raise ConfigError(f"reward.kind=function needs reward.function='module:function', got {r.function!r}")
     if r.kind == "model" and not r.model_path:
         raise ConfigError("reward.kind=model needs reward.model_path")
+    if r.kind == "none" and not alg.distill.teacher_path:
+        raise ConfigError("reward.kind=none scores every sample 0 and leaves nothing to learn: set "
+                          "algorithm.distill.teacher_path=<teacher HF dir> (distillation alone) or pick a reward.kind")
+    if r.kind == "none" and alg.filter_groups.enable:
+        raise ConfigError("algorithm.filter_groups.enable drops groups whose scores are all equal, and reward.kind=none "
+                          "scores every sample 0: turn one of them off")
     if alg.kl_ctrl.max_coef is not None and alg.kl_ctrl.max_coef < alg.kl_ctrl.min_coef:
         raise ConfigError(f"algorithm.kl_ctrl.max_coef = {alg.kl_ctrl.max_coef} is below "
                           f"algorithm.kl_ctrl.min_coef = {alg.kl_ctrl.min_coef}")

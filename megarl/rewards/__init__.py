@@ -14,7 +14,7 @@ from megarl.rewards.arithmetic import arithmetic_score
 from megarl.rewards.function import UserFunctionReward, load_function
 from megarl.rewards.gsm8k import extract_answer, gsm8k_score
 
-__all__ = ["RewardFn", "RuleReward", "UserFunctionReward", "CheckedReward", "RewardError", "build_reward_fn", "rule_for_data_source",
+__all__ = ["RewardFn", "RuleReward", "NoTaskReward", "UserFunctionReward", "CheckedReward", "RewardError", "build_reward_fn", "rule_for_data_source",
            "arithmetic_score", "gsm8k_score", "extract_answer", "load_function"]
 
 
@@ -51,6 +51,14 @@ class RuleReward:
             else:
                 scores.append(arithmetic_score(response, truth))
         return scores
+
+
+class NoTaskReward:
+    """reward.kind=none: every response scores 0, so only algorithm.distill's teacher teaches
+    (on-policy distillation alone); the data's ground truth is not read."""
+
+    def __call__(self, prompts, responses, ground_truths, data_sources, extras) -> list[float]:
+        return [0.0] * len(responses)
 
 
 class RewardError(ValueError):
@@ -123,4 +131,6 @@ def build_reward_fn(cfg: RewardConfig, reward_model: RewardFn | None = None) -> 
             raise ConfigError("reward.kind=model: the trainer must build the reward model from reward.model_path "
                               "and pass it to build_reward_fn")
         return CheckedReward(reward_model, reward_name(cfg))
+    if cfg.kind == "none":
+        return NoTaskReward()
     return CheckedReward(RuleReward(cfg.kind, cfg.gsm8k_method, cfg.format_score), reward_name(cfg))
