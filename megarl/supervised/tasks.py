@@ -34,6 +34,7 @@ class SftTask:
     """Supervised fine-tuning: the policy's next-token loss on response tokens (metrics sft/*)."""
 
     kind, data_kind, role, value_head, prefix = "sft", "sft", "actor", False, "sft"
+    trains_value_head_bias = True  # (it has none)
 
     def batch(self, examples: Sequence[SftExample], block: range) -> SequenceBatch:
         """This rank's block of the global batch `examples`; response_len is the global batch's longest response."""
@@ -77,6 +78,9 @@ class RewardTask:
     """Reward-model training on preference pairs: Bradley-Terry on the scalar head (metrics rm/*)."""
 
     kind, data_kind, role, value_head, prefix = "reward_model", "preference", "critic", True, "rm"
+    # A pair's loss reads r_c - r_r, where the bias cancels: kept fixed (EngineConfig.train_value_head_bias),
+    # so that transformers' head without a bias scores the export as megarl does.
+    trains_value_head_bias = False
 
     def __init__(self, pad_token_id: int):
         self.pad = pad_token_id

@@ -16,9 +16,11 @@ either (the reward model as a transformers `*ForSequenceClassification`).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from megarl import checkpoint, heartbeat
+from megarl.checkpoint_io import load_plain
 from megarl.config import Config
 from megarl.data.tokenizer import load_tokenizer
 from megarl.engine.engine import MegatronEngine
@@ -55,8 +57,9 @@ class SupervisedTrainer:
         self.order = RowOrder(len(self.rows), s.rows_per_step, dims.dp_rank, dims.dp, t.seed, shuffle=cfg.data.shuffle)
         model_dir = cfg.model.path if self.task.role == "actor" else (cfg.critic.model_path or cfg.model.path)
         # one optimizer step per trainer step: the role's schedule counts both alike
-        self.engine = MegatronEngine(model_dir, dims, engine_config(cfg, self.task.role, t.total_steps, updates_per_step=1),
-                                     value_head=self.task.value_head, seed=t.seed)
+        engine_cfg = replace(engine_config(cfg, self.task.role, t.total_steps, updates_per_step=1),
+                             train_value_head_bias=self.task.trains_value_head_bias)
+        self.engine = MegatronEngine(model_dir, dims, engine_cfg, value_head=self.task.value_head, seed=t.seed)
         self._check_vocab()
         self.global_batch = GlobalBatch(dims)
         self.step = 0  # steps completed
@@ -109,6 +112,10 @@ class SupervisedTrainer:
 
     def resume(self, start: Path) -> None:
         """Load the checkpoint `start` (megarl.run.Run decides which) into the engine and this trainer."""
+        stage = load_plain(Path(start) / "trainer.pt").get("stage") if (Path(start) / "trainer.pt").is_file() else self.stage
+        if stage != self.stage:  # before the engines load: a PPO checkpoint's roles would be refused less clearly
+            raise ValueError(f"trainer.resume: {start} is a checkpoint of stage {stage or 'ppo'}, not {self.stage}: resume a "
+                             f"{self.stage} run from its own checkpoints (or start one with trainer.resume=never)")
         checkpoint.restore(self, start)
 
     def checkpointed_engines(self) -> dict[str, MegatronEngine]:
@@ -118,8 +125,5 @@ class SupervisedTrainer:
         return {"step": self.step, "stage": self.stage, "data": self.order.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("stage") != self.stage:
-            raise ValueError(f"the checkpoint is of stage {state.get('stage') or 'ppo'}, not {self.stage}: resume a "
-                             f"{self.stage} run from its own checkpoints (or start one with trainer.resume=never)")
         self.step = state["step"]
         self.order.load_state_dict(state["data"])
