@@ -1,5 +1,5 @@
 """Run under torchrun (2 ranks) by tests/supervised/test_supervised_layouts.py: SFT and reward-model
-training for 3 steps at tp2 with sequence parallelism, pp2 and dp2, in one process-group lifetime
+training for 3 steps at tp2 with sequence parallelism, pp2, dp2 and cp2, in one process-group lifetime
 (groups rebuilt per layout), each saving a checkpoint at step 2; then, as a resume across a layout change,
 step 3 again at pp2 from dp2's step-2 checkpoint. Every rank's metrics by step to --out (rank 0 writes)."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megarl.parallel import dims_from_env  # noqa: E402
 
-LAYOUTS = {"tp2_sp": dict(tp=2, sequence_parallel=True), "pp2": dict(pp=2), "dp2": dict()}
+LAYOUTS = {"tp2_sp": dict(tp=2, sequence_parallel=True), "pp2": dict(pp=2), "dp2": dict(), "cp2": dict(cp=2)}
 
 
 def main() -> None:

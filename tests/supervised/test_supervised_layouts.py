@@ -1,4 +1,4 @@
-"""SFT and reward-model training log the same metrics at tp2 with SP, pp2 and dp2 as in one process for
+"""SFT and reward-model training log the same metrics at tp2 with SP, pp2, dp2 and cp2 as in one process for
 3 steps (1e-4), and resume exactly (dp2's step-2 checkpoint, continued at pp2, gives one process's step 3);
 the reward model's export is scored by transformers as megarl scores it (1e-4). One 2-rank launch runs
 every layout of both stages (supervised_layout_worker.py); the one-process reference runs in this process."""
@@ -32,7 +32,7 @@ def runs(tmp_path_factory, world_of_one):
 
 
 @pytest.mark.parametrize("stage", ["sft", "reward_model"])
-@pytest.mark.parametrize("layout", ["tp2_sp", "pp2", "dp2", "resumed_pp2_from_dp2"])
+@pytest.mark.parametrize("layout", ["tp2_sp", "pp2", "dp2", "cp2", "resumed_pp2_from_dp2"])
 def test_layout_matches_one_process(runs, stage, layout):
     _, _, reference, layouts = runs
     ran = {int(step): metrics for step, metrics in layouts[f"{stage}/{layout}"].items()}
