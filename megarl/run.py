@@ -217,9 +217,10 @@ class Run:
             print(f"megarl: {self.dims.describe()} | {self.sizes}", flush=True)
 
     # --- the trainer and where it resumes -----------------------------------------------------------
-    def build_trainer(self):
+    def build_trainer(self, make_trainer=None):
         """The Trainer, resumed from the checkpoint trainer.resume names (auto: the newest complete one)
-        after the config-change check; config.yaml and this segment's record written."""
+        after the config-change check; config.yaml and this segment's record written. make_trainer(cfg,
+        dims, separate): another stage's trainer (megarl.supervised: SFT, reward model); None = PPO's."""
         from megarl import checkpoint, hub
         from megarl.checkpoint_io import abandon_newer
         from megarl.config import save_resolved
@@ -233,7 +234,7 @@ class Run:
         self.start = self._resume_point()
         self._fail(self._changed_lora_base(cfg) if self.rank == 0 else None)  # before any model is built
         try:
-            trainer = Trainer(cfg, self.dims, separate=self.separate)
+            trainer = (make_trainer or Trainer)(cfg, self.dims, separate=self.separate)
         except (ValueError, FileNotFoundError, ImportError) as err:  # bad data / model files, missing engine
             self._refuse(err)
         start, problem, changes = self.start, None, []

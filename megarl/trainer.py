@@ -84,13 +84,15 @@ def actor_updates_at(step: int, critic_warmup: int) -> bool:
     return critic_warmup <= step
 
 
-def engine_config(cfg: Config, role: str, total_steps: int) -> EngineConfig:
-    """The Megatron engine settings of one role (actor / critic / ref) from the run config."""
+def engine_config(cfg: Config, role: str, total_steps: int, updates_per_step: int | None = None) -> EngineConfig:
+    """The Megatron engine settings of one role (actor / critic / ref) from the run config.
+    updates_per_step: optimizer steps per trainer step; None = the role's ppo_epochs x ppo_mini_batches
+    (the supervised stages take one)."""
     if role == "ref":
         return EngineConfig(dtype=cfg.model.dtype, param_offload=bool(cfg.ref.param_offload), sequence_packing=cfg.model.sequence_packing)
     role_cfg = getattr(cfg, role)
     schedule = role_cfg.optim
-    updates_per_step = role_cfg.ppo_epochs * role_cfg.ppo_mini_batches
+    updates_per_step = updates_per_step or role_cfg.ppo_epochs * role_cfg.ppo_mini_batches
     # Schedules count trainer steps in the config (RoleOptimConfig, as verl does); Megatron's
     # scheduler counts optimizer steps (the engine's OptimConfig), so convert.
     optim = OptimConfig(lr=schedule.lr, betas=tuple(schedule.betas), weight_decay=schedule.weight_decay, eps=schedule.eps,

@@ -433,6 +433,19 @@ class TrainerConfig:
 
 
 @dataclass
+class SupervisedConfig:
+    """The supervised stages: launch/sft.py and launch/reward_model.py (docs/sft_rm.md)."""
+
+    rows_per_step: int = knob(64, "SFT examples or preference pairs per step (one optimizer step), global; divisible by the "
+                                  "data-parallel size", ge=1)
+    max_length: int = knob(512, "tokens of a row at most (SFT: prompt + response; a preference side: prompt + answer + 1); "
+                                "a longer row is a bad row", ge=2)
+    bad_rows: Literal["error", "skip"] = knob("error", "a bad row (empty response, chosen equal to rejected, longer than "
+                                                       "max_length): error = stop naming file, row and column (exit 2); "
+                                                       "skip = leave it out, counted in one line per file")
+
+
+@dataclass
 class Config:
     model: ModelConfig = section(ModelConfig, "the actor model")
     parallel: ParallelConfig = section(ParallelConfig, "Megatron training layout")
@@ -447,6 +460,7 @@ class Config:
     guards: GuardsConfig = section(GuardsConfig, "automatic reactions to unhealthy steps")
     tracking: TrackingConfig = section(TrackingConfig, "metrics")
     trainer: TrainerConfig = section(TrainerConfig, "run control")
+    supervised: SupervisedConfig = section(SupervisedConfig, "SFT and reward-model training (launch/sft.py, launch/reward_model.py)")
     # YAML key `async` (a Python keyword): yaml_key / field_name translate
     async_: AsyncConfig = section(AsyncConfig, "asynchronous training with bounded staleness (separate placement)")
 

@@ -159,3 +159,124 @@ def prepare_if_missing(data_cfg, user_files=()) -> bool:
     for split, path in targets.items():
         write_parquet(rows[split], path)
     return True
+
+
+# --- the supervised stages' formats (megarl.supervised; docs/sft_rm.md) -----------------------------------
+
+def write_table(columns: dict[str, list], path: str | os.PathLike) -> None:
+    """Write columns {name: values} atomically to `path` as Parquet (types inferred: text, or lists of messages)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    pq.write_table(pa.table(columns), tmp)
+    os.replace(tmp, path)
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """The objects of a JSONL file, one per non-empty line; ValueError naming the line otherwise."""
+    rows = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not a JSON object ({e})") from None
+            if not isinstance(item, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(item).__name__}")
+            rows.append(item)
+    return rows
+
+
+def sft_columns(rows: list[dict], source: str) -> dict[str, list]:
+    """SFT columns from records: {messages} (a chat), or {prompt, response}, or a prompt dataset's
+    {prompt, ground_truth} (the reference answer is the response). ValueError naming the record."""
+    if rows and all("messages" in r for r in rows):
+        return {"messages": [r["messages"] for r in rows]}
+    out: dict[str, list] = {"prompt": [], "response": []}
+    for i, r in enumerate(rows):
+        answer = r.get("response", r.get("ground_truth"))
+        if "prompt" not in r or answer is None:
+            raise ValueError(f"{source} record {i}: an SFT record needs prompt and response (or ground_truth), or messages")
+        out["prompt"].append(str(r["prompt"]))
+        out["response"].append(str(answer))
+    return out
+
+
+def preference_columns(rows: list[dict], source: str) -> dict[str, list]:
+    """Preference columns {prompt, chosen, rejected} from records; ValueError naming the record."""
+    out: dict[str, list] = {"prompt": [], "chosen": [], "rejected": []}
+    for i, r in enumerate(rows):
+        missing = [k for k in out if k not in r]
+        if missing:
+            raise ValueError(f"{source} record {i}: a preference record needs prompt, chosen and rejected (no {missing[0]})")
+        for k in out:
+            out[k].append(str(r[k]))
+    return out
+
+
+def wrong_answer(truth: str, index: int) -> str:
+    """A wrong answer to an arithmetic row, of one of five kinds chosen by the row: one digit changed,
+    the last digit dropped, one digit too many, two digits swapped (or changed when equal), random digits.
+    The kinds are the mistakes a policy makes on the way to the task (docs/sft_rm.md)."""
+    import random
+
+    rng = random.Random(f"wrong:{index}")
+    digits = "0123456789"
+    kind = index % 5
+    if kind == 0 or (kind == 3 and len(set(truth)) == 1) or (kind == 1 and len(truth) == 1):
+        i = rng.randrange(len(truth))
+        return truth[:i] + rng.choice(digits.replace(truth[i], "")) + truth[i + 1:]
+    if kind == 1:
+        return truth[:-1]
+    if kind == 2:
+        return truth + rng.choice(digits)
+    if kind == 3:
+        i, j = rng.sample([k for k in range(len(truth))], 2)
+        while truth[i] == truth[j]:
+            i, j = rng.sample(range(len(truth)), 2)
+        s = list(truth)
+        s[i], s[j] = s[j], s[i]
+        return "".join(s)
+    while True:
+        answer = "".join(rng.choice(digits) for _ in range(len(truth)))
+        if answer != truth:
+            return answer
+
+
+def prepare_arithmetic_formats(out_dir: str | os.PathLike, fmt: str, kind: str = "copy", num_digits: int = 3,
+                               train_size: int = 20000, val_size: int = 512, train_offset: int = 0) -> dict[str, Path]:
+    """The demo task as SFT rows (fmt 'sft': prompt, response = the answer) or preference pairs (fmt
+    'preference': prompt, chosen = the answer, rejected = `wrong_answer`), both splits. train_offset:
+    the first training row's index in the task, so that stages can train on different parts of it."""
+    task = ArithmeticTask(kind=kind, num_digits=num_digits)
+    written = {}
+    for split, count in (("train", train_size), ("test", val_size)):
+        offset = train_offset if split == "train" else _VAL_INDEX_OFFSET
+        rows = [task.sample(offset + i) for i in range(count)]
+        if fmt == "sft":
+            columns = {"prompt": [r["prompt"] for r in rows], "response": [r["ground_truth"] for r in rows],
+                       "ground_truth": [r["ground_truth"] for r in rows]}
+        else:
+            columns = {"prompt": [r["prompt"] for r in rows], "chosen": [r["ground_truth"] for r in rows],
+                       "rejected": [wrong_answer(r["ground_truth"], offset + i) for i, r in enumerate(rows)]}
+        written[split] = Path(out_dir) / f"{split}.parquet"
+        write_table(columns, written[split])
+    return written
+
+
+def prepare_jsonl_format(out_dir: str | os.PathLike, fmt: str, input_path: str | os.PathLike) -> dict[str, Path]:
+    """JSONL records -> <out_dir>/{train,test}.parquet in the SFT or preference format; input_path is a
+    directory with train.jsonl (and test.jsonl) or one .jsonl file (the train split)."""
+    source = Path(input_path)
+    splits = {"train": source} if source.is_file() else {s: source / f"{s}.jsonl" for s in ("train", "test")
+                                                          if (source / f"{s}.jsonl").is_file()}
+    if "train" not in splits:
+        raise ValueError(f"--input {source}: neither a .jsonl file nor a directory with train.jsonl")
+    columns_of = sft_columns if fmt == "sft" else preference_columns
+    written = {}
+    for split, path in splits.items():
+        written[split] = Path(out_dir) / f"{split}.parquet"
+        write_table(columns_of(read_jsonl(path), str(path)), written[split])
+    return written

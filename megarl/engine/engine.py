@@ -60,6 +60,10 @@ class EngineConfig:
     recompute: str = "none"  # none | selective (core attention) | full (every layer)
     routing: RouterOptions | None = None  # MoE routers: freeze, auxiliary loss, routing replay
     lora: LoraOptions | None = None  # low-rank adapters (megarl.models.lora); None or rank 0: every weight trains
+    # value_head: False keeps the scalar head's bias fixed. A reward model's Bradley-Terry gradient of it
+    # is 0 up to rounding, which Adam would still turn into steps; transformers' *ForSequenceClassification
+    # head has no bias, so a drifted one would shift every score of the export.
+    train_value_head_bias: bool = True
 
 
 # loss_fn(outputs, micro_batch_tensors, totals) -> (loss contribution, {metric: value})
@@ -125,6 +129,10 @@ class MegatronEngine:
             lora.apply(self.chunks, self.spec, dims, self.lora)
         self.optimizer = self.scheduler = None
         self.optimizer_steps = 0
+        if value_head and not cfg.train_value_head_bias:  # before DDP: no grad buffer, no optimizer state
+            for m in self.modules:
+                if m.post_process:
+                    m.output_layer.bias.requires_grad_(False)
         if trainable:
             self._wrap_for_training()
         else:

@@ -269,6 +269,8 @@ def _value_head(model, dims: ParallelDims) -> Iterator[tuple[str, torch.Tensor]]
         if dims.world_size > 1:
             src = dims.all_coordinates()  # cheap at export time; picks the last stage's rank
             dist.broadcast(t, src=min(c["rank"] for c in src if c["pp"] == dims.pp - 1))
+        if name == "bias" and not t.any():  # a reward model's (kept 0): transformers' head has none, megarl reads 0
+            continue
         yield f"score.{name}", t
 
 
@@ -323,6 +325,27 @@ def save_hf_checkpoint(model: Chunks, spec: ModelSpec, dims: ParallelDims, out_d
                 shutil.copy2(path, out_dir / path.name)
         if banned_token_ids and not critic:
             write_suppress_tokens(out_dir, banned_token_ids)
+        if critic:
+            write_sequence_classification_config(out_dir)
+
+
+def write_sequence_classification_config(hf_dir: str | Path) -> None:
+    """Make a scalar-head export's config.json that of a transformers `*ForSequenceClassification` with
+    num_labels 1 (what `AutoModelForSequenceClassification` and `reward.model_path` read).
+
+    The architecture is the source's with `ForCausalLM` replaced; pad_token_id is set when the source had
+    none (to eos): transformers scores each row's last token that is not padding, and refuses a batch
+    of several rows without a pad id. transformers' scalar head has no bias: `score.bias` stays in the
+    files for megarl, and the reward-model trainer keeps it 0 (its Bradley-Terry gradient is 0)."""
+    path = Path(hf_dir) / "config.json"
+    config = json.loads(path.read_text())
+    config["architectures"] = [a.replace("ForCausalLM", "ForSequenceClassification") for a in config.get("architectures") or []]
+    config["num_labels"] = 1
+    config["id2label"], config["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
+    if config.get("pad_token_id") is None and config.get("eos_token_id") is not None:
+        eos = config["eos_token_id"]
+        config["pad_token_id"] = eos[0] if isinstance(eos, list) else eos
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def write_suppress_tokens(hf_dir: str | Path, token_ids: Sequence[int]) -> None:

@@ -27,6 +27,8 @@ PROGRESS_KEYS = {
     "score": ("critic/score/mean",),
     "pg_loss": ("actor/pg_loss",),
     "kl": ("actor/reward_kl_penalty", "actor/kl_loss", "actor/ppo_kl"),
+    "loss": ("sft/loss", "rm/loss"),  # the supervised stages (megarl.supervised)
+    "acc": ("rm/accuracy",),
 }
 
 
