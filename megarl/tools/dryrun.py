@@ -101,10 +101,17 @@ def run(config: str, world_size: int, overrides: list[str], ranks_text: str = "a
             raise
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    init_platform(force_cpu=True)  # the fake world lives on the CPU whatever this machine has
+    import torch.distributed as dist
+
+    from megarl.platform import fake_world
     from megarl.tools import dryrun_checks
     from megarl.tools.dryrun_rank import InvariantError, build_rank
-    from megarl.platform import fake_world
+
+    if dist.is_initialized() and not fake_world.is_fake():
+        print("error: the dry run becomes each rank of a fake world in turn and needs a process of its own: run it "
+              "with python, not under torchrun", file=sys.stderr)
+        return 2
+    init_platform(force_cpu=True)  # the fake world lives on the CPU whatever this machine has
 
     start = time.perf_counter()
     classes = build_classes(layout, ranks)
