@@ -104,7 +104,6 @@ SHIPPED = [  # config, model dir, world size, ranks whose shards differ in shape
 ]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("config,model,world,ranks", SHIPPED, ids=[s[1] for s in SHIPPED])
 def test_shipped_config_at_its_world_size(tmp_path, config, model, world, ranks):
     """Each shipped config at its published layout: the ranks whose shards differ build, match the
