@@ -2,8 +2,6 @@
 
     torchrun --standalone --nproc_per_node N launch/ppo.py --config configs/X.yaml [key=value ...]
     python launch/ppo.py --config configs/X.yaml [key=value ...]          # one process
-    python launch/ppo.py --config configs/X.yaml --dry-run --world-size N [key=value ...]
-                                     # every rank of an N-process run built on this CPU (megarl.tools.dryrun)
 
 Everything about the run is in the config (see docs/configuration.md); `key=value` overrides any
 field, e.g. `trainer.total_steps=10 actor.optim.lr=1e-6`. Configuration mistakes are reported in
@@ -19,31 +17,19 @@ from pathlib import Path
 
 # Run from a checkout without installing: make `megarl` importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from megarl.tools import dryrun  # noqa: E402  (light: argparse only until a dry run starts)
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description="megarl PPO trainer", epilog="overrides: dotted key=value pairs")
     p.add_argument("--config", required=True, help="YAML config (configs/*.yaml)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=10")
-    dry = p.add_argument_group("dry run (docs/operations.md, 'Before the cluster: the dry run')")
-    dry.add_argument("--dry-run", action="store_true", help="build every rank of the run on this CPU, without data or "
-                     "weights, check it and compare it with the planner; nothing is trained")
-    dry.add_argument("--world-size", type=int, help="with --dry-run: the processes of the real run")
-    dry.add_argument("--ranks", default="all", help="with --dry-run: 'all' or ranks such as 0,17,255")
-    dry.add_argument("--json", help="with --dry-run: write the report here")
-    args = p.parse_args(argv)
-    if args.dry_run and args.world_size is None:
-        p.error("--dry-run needs --world-size N (the processes of the real run; each shipped config names its own)")
-    if not args.dry_run and (args.world_size is not None or args.json):
-        p.error("--world-size and --json belong to --dry-run (a real run's world size is torchrun's)")
-    return args
+    return dryrun.parse_with_dry_run(p, argv)  # adds --dry-run --world-size N [--ranks] [--json]
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.dry_run:
-        from megarl.tools import dryrun
-
+    if args.dry_run:  # megarl/tools/dryrun.py; docs/operations.md, "Before the cluster: the dry run"
         return dryrun.run(args.config, args.world_size, args.overrides, args.ranks, args.json)
     from megarl.run import Refused, Run  # light: torch.distributed, Megatron and the trainer load after the config check
 

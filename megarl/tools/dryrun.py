@@ -42,6 +42,22 @@ def parser(prog: str = "python -m megarl.tools.dryrun") -> argparse.ArgumentPars
     return p
 
 
+def parse_with_dry_run(p: argparse.ArgumentParser, argv):
+    """launch/ppo.py's arguments with its dry-run flags: --dry-run --world-size N [--ranks ...] [--json PATH]."""
+    dry = p.add_argument_group("dry run (docs/operations.md, 'Before the cluster: the dry run')")
+    dry.add_argument("--dry-run", action="store_true", help="build every rank of the run on this CPU, without data or "
+                     "weights, check it and compare it with the planner; nothing is trained")
+    dry.add_argument("--world-size", type=int, help="with --dry-run: the processes of the real run")
+    dry.add_argument("--ranks", default="all", help="with --dry-run: 'all' or ranks such as 0,17,255")
+    dry.add_argument("--json", help="with --dry-run: write the report here")
+    args = p.parse_args(argv)
+    if args.dry_run and args.world_size is None:
+        p.error("--dry-run needs --world-size N (the processes of the real run; each shipped config names its own)")
+    if not args.dry_run and (args.world_size is not None or args.json):
+        p.error("--world-size and --json belong to --dry-run (a real run's world size is torchrun's)")
+    return args
+
+
 def parse_ranks(text: str, world_size: int) -> list[int]:
     """`all` or a comma-separated list of ranks of the world (ValueError naming the bad one)."""
     if text.strip() == "all":
