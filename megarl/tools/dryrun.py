@@ -29,8 +29,6 @@ import sys
 import time
 from pathlib import Path
 
-PLANNER_TOLERANCE = 0.02  # the planner's per-rank bytes against the built ones (docs/operations.md)
-
 
 def parser(prog: str = "python -m megarl.tools.dryrun") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])

@@ -7,6 +7,7 @@ from collections import defaultdict
 from megarl.tools.dryrun_rank import InvariantError, RankBuild
 
 GIB = 2**30
+PLANNER_TOLERANCE = 0.02  # the planner's per-rank bytes against the built ones (docs/operations.md)
 PARTS = (("param_bytes", "params"), ("grad_bytes", "grads"), ("optimizer_bytes", "optimizer"))
 
 
@@ -103,7 +104,7 @@ def report(cfg, model_dir: str, layout, builds: list[tuple[RankBuild, list[int]]
     _check_cover(builds, layout, spec, complete)
     from_config = parameters_from_config(model_dir)
     planner = planner_figures(cfg, model_dir, layout)
-    ranks, unique = [], 0
+    ranks, unique, unique_by_stage = [], 0, defaultdict(int)
     for build, members in builds:
         actor = build.roles[0]
         built = {key: build.total(part) for key, part in PARTS}
@@ -111,6 +112,7 @@ def report(cfg, model_dir: str, layout, builds: list[tuple[RankBuild, list[int]]
         for r in members:
             c = layout.coords(r)
             unique += actor.unique_params(c)
+            unique_by_stage[c.pp] += actor.unique_params(c)
             ranks.append({"rank": r, "built_as": build.rank, "stands_for": members if r == build.rank else None,
                           "coordinates": {"pp": c.pp, "tp": c.tp, "cp": c.cp, "dp": c.dp, "ep": c.ep, "etp": c.etp, "edp": c.edp},
                           "layers": build.chunk_layers, **built, "planner": plan,
@@ -119,21 +121,33 @@ def report(cfg, model_dir: str, layout, builds: list[tuple[RankBuild, list[int]]
     ranks.sort(key=lambda e: e["rank"])
     padding = vocab_padding(spec, layout.tp)
     if complete and unique - padding != from_config:
-        worst = _stage_short(builds, layout)
+        worst = _stage_short(unique_by_stage, cfg, model_dir, layout)
         raise InvariantError(f"the unique parameters over all ranks sum to {unique:,} ({padding:,} of them vocabulary padding); "
                              f"config.json gives {from_config:,}: a difference of {unique - padding - from_config:,}{worst}")
     return {"world_size": layout.world_size, "layout": layout.describe(), "model": spec.family,
             "total_unique_parameters": unique - padding if complete else None, "vocabulary_padding_parameters": padding,
             "parameters_from_config": from_config, "ranks_built": len(builds), "ranks": ranks,
             "planner_outside_tolerance": [e["rank"] for e in ranks
-                                          if any(abs(d) > 0.02 for d in e["planner_difference"].values() if d is not None)]}
+                                          if any(abs(d) > PLANNER_TOLERANCE for d in e["planner_difference"].values() if d is not None)]}
 
 
 def _relative(plan: int, built: int) -> float | None:
     return None if built == 0 and plan == 0 else (plan - built) / max(built, 1)
 
 
-def _stage_short(builds, layout) -> str:
+def _stage_short(unique_by_stage: dict[int, int], cfg, model_dir: str, layout) -> str:
+    """Where the sum goes wrong: the first pipeline stage whose unique parameters differ from the
+    planner's tensors of that stage (megarl.capacity.estimate.stage_tensors, padded vocabulary)."""
+    from megarl.capacity import arch_from_config, load_config
+    from megarl.capacity.estimate import stage_tensors
+    from megarl.capacity.from_config import planner_inputs
+
+    arch, (_, lay, _) = arch_from_config(load_config(model_dir)), planner_inputs(cfg)
+    for stage in range(layout.pp):
+        want = sum(t.numel * t.count for t in stage_tensors(arch, lay, stage))
+        if unique_by_stage[stage] != want:
+            return (f"; stage {stage} (ranks from {layout.rank_of(stage, 0, 0)}) holds {unique_by_stage[stage]:,} unique "
+                    f"parameters where config.json gives it {want:,}")
     return ""
 
 

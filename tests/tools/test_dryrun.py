@@ -196,3 +196,17 @@ def test_fake_world_builds_megatron_groups_at_256():
         assert parallel_state.get_data_parallel_group_gloo() is not None
     finally:
         fake_world.leave()
+
+
+def test_a_shard_missing_from_the_sum_names_its_stage(tmp_path, tiny_moe_671b_models, monkeypatch, capsys):
+    """Were the routers of the MoE layers counted nowhere (a mistake in the build or the count), the
+    parameter sum fails with one line naming the stage and its first rank (exit 1)."""
+    import megarl.tools.dryrun_rank as dryrun_rank
+
+    real = dryrun_rank.split_kind
+    monkeypatch.setattr(dryrun_rank, "split_kind", lambda name, p, m: None if ".router." in name else real(name, p, m))
+    model = tiny_moe_671b_models["deepseek_v3"]  # layer 0 dense, 1-3 MoE: stage 0 holds 0-1, stage 1 holds 2-3
+    code, rep = run_dry(tmp_path, TINY_CONFIG, 4, TINY + [f"model.path={model}", "parallel.pp=2", "parallel.ep=2"])
+    assert code == 1 and rep is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "stage 0 (ranks from 0) holds" in err[0], err
