@@ -100,7 +100,7 @@ SHIPPED = [  # config, model dir, world size, ranks whose shards differ in shape
     ("deepseek-v3-671b.yaml", "deepseek-v3", 256, "0,16,255"),  # 3 dense layers + embedding; 4 MoE; 2 + head
     ("glm-4.5-355b.yaml", "glm-4.5", 256, "0,33,255"),  # 8 layers (3 dense); 12 MoE (tp rank 1); 12 + head
     ("qwen3-235b-a22b.yaml", "qwen3-235b-a22b", 256, "0,32,255"),  # vpp2: 6 + 6 layers; 6 + 6; 5 + 5 + head
-    ("llama-3-70b-lora.yaml", "llama-3-70b-instruct", 8, "0,7"),  # tp8: every rank alike
+    ("llama-3-70b-lora.yaml", "llama-3-70b-instruct", 8, "0"),  # tp8: every rank holds the same shapes
 ]
 
 
