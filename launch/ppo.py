@@ -17,17 +17,20 @@ from pathlib import Path
 
 # Run from a checkout without installing: make `megarl` importable.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from megarl.tools import dryrun  # noqa: E402  (light: argparse only until a dry run starts)
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description="megarl PPO trainer", epilog="overrides: dotted key=value pairs")
     p.add_argument("--config", required=True, help="YAML config (configs/*.yaml)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=10")
-    return p.parse_args(argv)
+    return dryrun.parse_with_dry_run(p, argv)  # adds --dry-run --world-size N [--ranks] [--json]
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.dry_run:  # megarl/tools/dryrun.py; docs/operations.md, "Before the cluster: the dry run"
+        return dryrun.run(args.config, args.world_size, args.overrides, args.ranks, args.json)
     from megarl.run import Refused, Run  # light: torch.distributed, Megatron and the trainer load after the config check
 
     try:

@@ -97,7 +97,7 @@ class ParallelDims:
         """Start torch.distributed (if needed), build Megatron's process groups and RNG states."""
         from megatron.core import parallel_state, tensor_parallel
 
-        from megarl.platform import init_platform
+        from megarl.platform import fake_world, init_platform
 
         platform = init_platform()
         backend = backend or platform.backend
@@ -114,15 +114,16 @@ class ParallelDims:
             )
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=self.tp,
-            pipeline_model_parallel_size=self.pp,
-            virtual_pipeline_model_parallel_size=self.vpp,
-            context_parallel_size=self.cp,
-            expert_model_parallel_size=self.ep,
-            expert_tensor_parallel_size=self.etp,
-            distributed_timeout_minutes=timeout_minutes,
-        )
+        with fake_world.gloo_groups_on_fake():  # the dry run's world of any size (megarl.tools.dryrun)
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=self.tp,
+                pipeline_model_parallel_size=self.pp,
+                virtual_pipeline_model_parallel_size=self.vpp,
+                context_parallel_size=self.cp,
+                expert_model_parallel_size=self.ep,
+                expert_tensor_parallel_size=self.etp,
+                distributed_timeout_minutes=timeout_minutes,
+            )
         # Megatron's named RNG states (per TP rank, per EP rank); weights come from checkpoints and
         # dropout is off, so these only matter for optional random init.
         tensor_parallel.model_parallel_cuda_manual_seed(seed)

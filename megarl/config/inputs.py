@@ -77,13 +77,14 @@ def check_model_layout(cfg: Config, model_dirs: dict[str, str] | None = None) ->
     """The parallel layout against the model's config.json, with the rules the model builder
     applies (megarl.layout.check_model, training rules included): heads and widths over tp,
     layers over the (uneven, virtual) pipeline stages, experts over ep, expert widths over etp, MoE
-    at tp > 1 without sequence parallelism, tied embeddings with vpp. config.json is read by the model builder's parser
+    at tp > 1 without sequence parallelism, tied embeddings with vpp; the actor's heads over
+    rollout.tp. config.json is read by the model builder's parser
     (megarl.models.families), so a model it cannot build is refused here too. Skipped while the
     model is still to be made or downloaded. The critic's trunk (critic.model_path), a reward model
     (reward.model_path, forward only) and a distillation teacher (algorithm.distill.teacher_path,
     forward only; its vocabulary must be the student's) are checked the same way. `model_dirs`: {config key: local
     directory} of models named by hub id and resolved since (the launcher checks again with them)."""
-    from megarl.layout import ModelShape, check_model, refuse_moe_tensor_parallel
+    from megarl.layout import ModelShape, check_model, check_rollout_heads, refuse_moe_tensor_parallel
     from megarl.models.families import load_spec
     from megarl.models.lora_targets import check_targets
 
@@ -130,6 +131,8 @@ def check_model_layout(cfg: Config, model_dirs: dict[str, str] | None = None) ->
             spec = load_spec(directory)  # UnsupportedModelError: the loader's message, here before any model exists
             check_model(ModelShape.of_spec(spec), layout, training=training)
             vocab_sizes[key] = spec.vocab_size
+            if key == "model.path" and cfg.rollout.tp > 1:  # the actor's weights go into the rollout engine
+                check_rollout_heads(ModelShape.of_spec(spec), cfg.rollout.tp)
             for role in _lora_roles(cfg, key):
                 check_targets(getattr(cfg, role).lora.target_modules, spec, f"{role}.lora")
         except ValueError as err:

@@ -94,6 +94,40 @@ def fused_adam_on_cpu(optimizer) -> None:
                 group["foreach"], group["fused"] = False, True
 
 
+def wrap_for_training(chunks: list, cfg: EngineConfig) -> tuple[list, object]:
+    """Megatron's DDP around each model chunk and the distributed optimizer over them: what a
+    trainable engine trains with (the dry run, megarl.tools.dryrun, builds the same on the meta device)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    solo_groups.install()  # no collective over a group of one (DDP buffers, optimizer, grad norm)
+    o = cfg.optim
+    bf16 = cfg.dtype == "bfloat16"
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True, bucket_size=None
+    )
+    # Megatron-LM's rule: only the first chunk's DDP buckets gradients (bucketing the others would
+    # start their reductions out of order under interleaving).
+    chunks = [DistributedDataParallel(config=m.config, ddp_config=ddp_config, module=m, disable_bucketing=i > 0)
+              for i, m in enumerate(chunks)]
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.betas[0],
+        adam_beta2=o.betas[1],
+        adam_eps=o.eps,
+        clip_grad=o.max_grad_norm,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=True,  # ZeRO-1: optimizer state sharded over DP
+    )
+    optimizer = get_megatron_optimizer(opt_config, chunks)
+    fused_adam_on_cpu(optimizer)
+    return chunks, optimizer
+
+
 def _weighted(value, weight: float):
     """A micro-batch's metric times its token weight, in float64 (a tensor stays on its device:
     float64 products and sums, the arithmetic of Python floats, so the result is the same either way)."""
@@ -117,12 +151,14 @@ class MegatronEngine:
     `trainable=False` for the reference."""
 
     def __init__(self, model_dir: str, dims: ParallelDims, cfg: EngineConfig, *, value_head: bool = False, trainable: bool = True,
-                 seed: int = 0):
+                 seed: int = 0, meta: bool = False):
+        """meta=True: shapes only, on the meta device, no weights read (the dry run, megarl.tools.dryrun;
+        construct it under megarl.platform.fake_world.MetaAllocation)."""
         self.dims, self.cfg, self.value_head, self.trainable, self.seed = dims, cfg, value_head, trainable, seed
         # One model chunk per virtual pipeline stage (dims.vpp), else one: Megatron's schedules, DDP
         # and optimizer take the list; `self.chunks` holds them (DDP-wrapped when trainable).
         self.chunks, self.spec = load_model_chunks(model_dir, dims, dtype=cfg.dtype, critic=value_head, recompute=cfg.recompute,
-                                                   routing=cfg.routing)
+                                                   routing=cfg.routing, meta=meta)
         self.model_dir = model_dir
         self.lora = cfg.lora if cfg.lora is not None and cfg.lora.enabled else None
         if self.lora is not None:  # before DDP: frozen base weights get no grad buffer, no optimizer state
@@ -145,37 +181,12 @@ class MegatronEngine:
 
     # --- setup -------------------------------------------------------------------------------------
     def _wrap_for_training(self) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        solo_groups.install()  # no collective over a group of one (DDP buffers, optimizer, grad norm)
         if self.device.type == "cpu":  # each step's activations reuse freed memory: no fresh pages to fault in
             host_allocator.keep_freed_memory()
+        self.chunks, self.optimizer = wrap_for_training(self.chunks, self.cfg)
         o = self.cfg.optim
-        bf16 = self.cfg.dtype == "bfloat16"
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True, bucket_size=None
-        )
-        # Megatron-LM's rule: only the first chunk's DDP buckets gradients (bucketing the others would
-        # start their reductions out of order under interleaving).
-        self.chunks = [DistributedDataParallel(config=m.config, ddp_config=ddp_config, module=m, disable_bucketing=i > 0)
-                       for i, m in enumerate(self.chunks)]
-        opt_config = OptimizerConfig(
-            optimizer="adam",
-            lr=o.lr,
-            min_lr=o.min_lr,
-            weight_decay=o.weight_decay,
-            adam_beta1=o.betas[0],
-            adam_beta2=o.betas[1],
-            adam_eps=o.eps,
-            clip_grad=o.max_grad_norm,
-            bf16=bf16,
-            params_dtype=torch.bfloat16 if bf16 else torch.float32,
-            use_distributed_optimizer=True,  # ZeRO-1: optimizer state sharded over DP
-        )
-        self.optimizer = get_megatron_optimizer(opt_config, self.chunks)
-        fused_adam_on_cpu(self.optimizer)
         decay_steps = max(o.total_steps, o.warmup_steps + 1)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,

@@ -87,6 +87,18 @@ def check_model(model: ModelShape, layout: ParallelLayout, *, training: bool = F
         check_training(model, layout)
 
 
+def check_rollout_heads(model: ModelShape, rollout_tp: int) -> None:
+    """The rollout engine (vLLM, SGLang) splits attention heads over rollout.tp: the query heads must
+    divide, the key/value heads divide or be replicated (rollout.tp a multiple of them). ValueError:
+    one line naming rollout.tp and the arithmetic; found by the dry run, refused before any model."""
+    if model.heads % rollout_tp:
+        raise ValueError(f"rollout.tp = {rollout_tp} does not divide the model's {model.heads} attention heads "
+                         f"({model.name}); choose a rollout.tp that divides {model.heads}")
+    if model.kv_heads % rollout_tp and rollout_tp % model.kv_heads:
+        raise ValueError(f"rollout.tp = {rollout_tp} neither divides the model's {model.kv_heads} key/value heads nor is a "
+                         f"multiple of them ({model.name}); choose a rollout.tp that does")
+
+
 def check_training(model: ModelShape, layout: ParallelLayout) -> None:
     """What megarl's trainer refuses although Megatron-Core could build it."""
     if model.is_moe:

@@ -19,9 +19,10 @@ def load_model(model_dir: str | Path, dims, dtype: str = "float32", critic: bool
 
 
 def load_model_chunks(model_dir: str | Path, dims, dtype: str = "float32", critic: bool = False, recompute: str = "none",
-                      routing=None):
+                      routing=None, meta: bool = False):
     """This rank's model chunks (one per virtual pipeline stage, in schedule order; one without
-    interleaving), filled from the HF checkpoint. Returns (chunks, spec)."""
+    interleaving), filled from the HF checkpoint. Returns (chunks, spec). meta=True: on the meta
+    device from config.json alone, nothing loaded (the dry run, megarl.tools.dryrun)."""
     from megarl.models.builder import build_gpt_model, build_transformer_config, parse_dtype
     from megarl.models.families import load_spec
     from megarl.models.moe_routing import check_routing_options, prepare
@@ -33,7 +34,7 @@ def load_model_chunks(model_dir: str | Path, dims, dtype: str = "float32", criti
     config = build_transformer_config(spec, dims, parse_dtype(dtype), recompute, routing)
     stages = range(dims.vpp) if dims.vpp else [None]
     chunks = [build_gpt_model(spec, dims, config=config, dtype=parse_dtype(dtype), vp_stage=v, value_head=critic, recompute=recompute,
-                              routing=routing)
+                              routing=routing, meta=meta)
               for v in stages]
     for chunk in chunks:
         prepare(chunk, routing)
@@ -42,5 +43,6 @@ def load_model_chunks(model_dir: str | Path, dims, dtype: str = "float32", criti
 
         for chunk in chunks:
             attach_value_head(chunk, spec, model_dir)
-    load_hf_weights(chunks, spec, dims, model_dir)
+    if not meta:
+        load_hf_weights(chunks, spec, dims, model_dir)
     return chunks, spec

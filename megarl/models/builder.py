@@ -266,11 +266,12 @@ def decoder_spec(spec: ModelSpec, config, vp_stage: int | None = None, use_te: b
 
 
 def build_gpt_model(spec: ModelSpec, dims: ParallelDims, config=None, dtype: torch.dtype = torch.float32, vp_stage: int | None = None, value_head: bool = False, recompute: str = "none",
-                    routing: RouterOptions | None = None):
+                    routing: RouterOptions | None = None, meta: bool = False):
     """This rank's pipeline-stage chunk of the model, on the platform's device, weights uninitialised.
 
     value_head=True builds a critic backbone: the output layer is never tied to the embedding,
-    because `megarl.models.critic` replaces it by a scalar head.
+    because `megarl.models.critic` replaces it by a scalar head. meta=True builds it on the meta
+    device (shapes, no storage: the dry run, megarl.tools.dryrun).
     """
     from megatron.core.models.gpt import GPTModel
 
@@ -279,10 +280,10 @@ def build_gpt_model(spec: ModelSpec, dims: ParallelDims, config=None, dtype: tor
     # the last chunk of the last stage.
     first_chunk = vp_stage is None or vp_stage == 0
     last_chunk = vp_stage is None or vp_stage == dims.chunks_per_stage - 1
-    with _mla_latent_norms_at_build(config):
+    with _mla_latent_norms_at_build(config), (torch.device("meta") if meta else contextlib.nullcontext()):
         model = _gpt_model(GPTModel, spec, dims, config, vp_stage, value_head, first_chunk, last_chunk)
     mla_sequence_sharded_kv(model, config)  # the RoPE key's gradient summed over TP under SP
-    return model.to(current_platform().device)
+    return model if meta else model.to(current_platform().device)
 
 
 @contextlib.contextmanager

@@ -370,8 +370,9 @@ _ORIGINAL_TENSOR_TYPE = torch.Tensor.type
 
 def _tensor_type_with_cuda_names(self, *args, **kwargs):
     # Only the no-argument query form is changed: the optimizers compare it with CUDA type names.
-    # `t.type(dtype)` conversions are untouched.
-    if not args and not kwargs and self.device.type == "cpu" and self.dtype in _CUDA_TYPE_NAMES:
+    # `t.type(dtype)` conversions are untouched. Meta tensors stand for device tensors in the dry run
+    # (megarl.platform.fake_world).
+    if not args and not kwargs and self.device.type in ("cpu", "meta") and self.dtype in _CUDA_TYPE_NAMES:
         return _CUDA_TYPE_NAMES[self.dtype]
     return _ORIGINAL_TENSOR_TYPE(self, *args, **kwargs)
 
