@@ -186,12 +186,9 @@ class SegmentCopies:
     def get(self, key: tuple) -> torch.Tensor | None:
         return self._copies.get(key)
 
-    def store(self, key: tuple, seg: torch.Tensor) -> None:
-        held = self._copies.get(key)
-        if held is None or held.numel() != seg.numel():
-            self._copies[key] = seg.clone()
-        else:
-            held.copy_(seg)
+    def replace(self, key: tuple, seg: torch.Tensor) -> None:
+        """`seg` (a tensor of its own, not a view into a larger buffer) is now what crossed `key`."""
+        self._copies[key] = seg
 
     def clear(self) -> None:
         self._copies.clear()

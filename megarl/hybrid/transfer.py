@@ -140,21 +140,24 @@ class PlanRunner:
         open_outputs: dict[str, torch.Tensor] = {}
         for index, bucket in enumerate(plan.buckets):
             my_ops = [op for op in bucket.ops if rank in op.participants]
-            size = sum(op.nbytes for op in my_ops)
+            # delta: no bucket buffer; each segment lives in its copy (SegmentCopies), kept to the next sync
+            size = sum(op.nbytes for op in my_ops) if self.copies is None else 0
             buf = meter.empty((size,), torch.uint8, self.device) if size else None
-            if buf is not None and self.copies is not None:
-                buf.zero_()  # delta: the alignment padding between chunks then never reads as a change
-            received: dict[tuple[str, tuple | None], list[tuple[Chunk, int]]] = {}
+            # (tensor name, rows) -> the received chunks, each with the byte tensor and offset holding it
+            received: dict[tuple[str, tuple | None], list[tuple[Chunk, torch.Tensor, int]]] = {}
             off = 0
             # The bucket's exchange as a named range in a profiled step (the assembly below yields
             # to the consumer, so a range cannot stay open around it).
             with profiling.phase(f"sync/bucket_{index}"):
                 for op_index, op in enumerate(my_ops):
-                    seg = buf[off:off + op.nbytes]
-                    run_op = self._run_op if self.copies is None else self._run_op_delta
-                    for chunk, at in run_op(op, seg, local, stats, (index, op_index)):
-                        received.setdefault((chunk.name, chunk.rows), []).append((chunk, off + at))
-                    off += op.nbytes
+                    if self.copies is None:
+                        seg = buf[off:off + op.nbytes]
+                        got = [(chunk, buf, off + at) for chunk, at in self._run_op(op, seg, local, stats)]
+                        off += op.nbytes
+                    else:
+                        got = self._run_op_delta(op, local, stats, (index, op_index), meter)
+                    for chunk, src, at in got:
+                        received.setdefault((chunk.name, chunk.rows), []).append((chunk, src, at))
             for entry in bucket.entries if plan.receives(rank) else ():
                 name, spec, L = entry.name, plan.specs[entry.name], plan.units(entry.name)
                 need, held = plan.needed_span(rank, name), self._held(name)
@@ -168,8 +171,8 @@ class PlanRunner:
                 if overlap is not None:
                     for dst, src in zip(region_views(out, spec, need, overlap, entry.rows, L), region_views(local[name], spec, held, overlap, entry.rows, L)):
                         dst.copy_(src)
-                for chunk, at in received.get((name, entry.rows), []):
-                    for dst, src in zip(region_views(out, spec, need, chunk.span, chunk.rows, L), _chunk_views(buf, at, chunk, spec, L)):
+                for chunk, held_in, at in received.get((name, entry.rows), []):
+                    for dst, src in zip(region_views(out, spec, need, chunk.span, chunk.rows, L), _chunk_views(held_in, at, chunk, spec, L)):
                         dst.copy_(src)
                 if entry.last:
                     yield from self._emit(name, out, convert, meter, owned=True)
@@ -247,24 +250,22 @@ class PlanRunner:
         return _offsets(op.chunks)
 
     # ---------------------------------------------------------------- delta sync
-    def _run_op_delta(self, op: Op, seg: torch.Tensor, local, stats: TransferStats, key: tuple) -> list[tuple[Chunk, int]]:
+    def _run_op_delta(self, op: Op, local, stats: TransferStats, key: tuple, meter: MemoryMeter) -> list[tuple[Chunk, torch.Tensor, int]]:
         """`_run_op` under delta sync: each member's segment (the src's, for broadcast and p2p)
-        goes from its sender as header + full or delta payload; returns the chunks received."""
+        goes from its sender as header + full or delta payload. A segment is packed into, or
+        received into, a tensor of its own that becomes its copy (no bucket buffer, no copying):
+        returns the chunks received, each with the copy holding it and its offset there."""
         stats.collectives += 1
         segments = op.segments if op.kind == "all_gather" else [(op.src, op.chunks)]
-        got, at = [], 0
+        got = []
         for member, chunks in segments:
-            n = sum(c.padded for c in chunks)
-            part = seg[at:at + n]
-            pieces = self._pieces(chunks)
+            pieces, seg_key = self._pieces(chunks), key + (member,)
             if member == self.rank:
-                self._pack(part, chunks, local)
-                self._send_segment(op, member, part, pieces, key + (member,), stats)
+                self._send_segment(op, member, chunks, local, pieces, seg_key, stats, meter)
             else:
-                self._recv_segment(op, member, part, pieces, key + (member,), stats)
-                got.extend((c, at + off) for c, off in _offsets(chunks))
+                held_in = self._recv_segment(op, member, sum(c.padded for c in chunks), pieces, seg_key, stats, meter)
+                got.extend((c, held_in, off) for c, off in _offsets(chunks))
                 stats.payload_received += sum(c.nbytes for c in chunks)
-            at += n
         if op.kind == "all_gather":
             stats.collectives += 2 * len(segments) - 1
         return got
@@ -286,35 +287,48 @@ class PlanRunner:
     def _receivers(self, op: Op) -> int:
         return len(op.dsts) if op.kind == "p2p" else len(op.participants) - 1
 
-    def _send_segment(self, op: Op, member: int, part: torch.Tensor, pieces, key: tuple, stats: TransferStats) -> None:
+    def _send_segment(self, op: Op, member: int, chunks: list[Chunk], local, pieces, key: tuple, stats: TransferStats,
+                      meter: MemoryMeter) -> None:
+        part = meter.empty((sum(c.padded for c in chunks),), torch.uint8, self.device)  # the next copy: the old one lives until then
+        for p in pieces:  # alignment padding zeroed, so it never reads as a change
+            part[p.offset + p.nbytes:p.offset + -(-p.nbytes // 8) * 8].zero_()
+        self._pack(part, chunks, local)
         old = None if self._full else self.copies.get(key)
         enc = (delta.encode(part, old, pieces) if old is not None
                else delta.Encoded(delta.FULL, sum(p.numel for p in pieces), sum(p.numel for p in pieces), None))
         self._transmit(op, member, enc.header(part.numel(), part.device), sending=True)
         body = part if enc.payload is None else enc.payload
+        meter.track(body)  # the payload is the only temporary; part replaces the copy below
         self._transmit(op, member, body, sending=True)
+        meter.free(body)
         stats.bytes_sent += (delta.HEADER_BYTES + body.numel()) * self._receivers(op)
-        self.copies.store(key, part)
+        self.copies.replace(key, part)
+        meter.free(part)
 
-    def _recv_segment(self, op: Op, member: int, part: torch.Tensor, pieces, key: tuple, stats: TransferStats) -> None:
-        header = torch.empty(delta.HEADER_ELEMENTS, dtype=torch.int64, device=part.device)
+    def _recv_segment(self, op: Op, member: int, nbytes_full: int, pieces, key: tuple, stats: TransferStats,
+                      meter: MemoryMeter) -> torch.Tensor:
+        """Receive one segment; return the tensor holding it whole (its copy, updated)."""
+        header = torch.empty(delta.HEADER_ELEMENTS, dtype=torch.int64, device=self.device)
         self._transmit(op, member, header, sending=False)
         encoding, changed, nbytes = (int(v) for v in header.tolist())
         if encoding == delta.FULL:
-            self._transmit(op, member, part, sending=False)
-            self.copies.store(key, part)
+            assert nbytes == nbytes_full, (key, nbytes, nbytes_full)
+            held_in = torch.empty(nbytes_full, dtype=torch.uint8, device=self.device)
+            self._transmit(op, member, held_in, sending=False)
+            self.copies.replace(key, held_in)
         else:
-            copy = self.copies.get(key)
-            assert copy is not None, f"delta segment {key} from rank {member} but no full one came before it"
-            payload = torch.empty(nbytes, dtype=torch.uint8, device=part.device)
+            held_in = self.copies.get(key)
+            assert held_in is not None, f"delta segment {key} from rank {member} but no full one came before it"
+            payload = meter.empty((nbytes,), torch.uint8, self.device)
             self._transmit(op, member, payload, sending=False)
-            delta.apply(copy, encoding, changed, payload, pieces)
-            part.copy_(copy)
+            delta.apply(held_in, encoding, changed, payload, pieces)
+            meter.free(payload)
         elements = sum(p.numel for p in pieces)
         stats.bytes_received += delta.HEADER_BYTES + nbytes
-        stats.full_bytes_received += part.numel()
+        stats.full_bytes_received += nbytes_full
         stats.elements_received += elements
         stats.changed_received += elements if encoding == delta.FULL else changed
+        return held_in
 
 
 def _offsets(chunks: list[Chunk]) -> list[tuple[Chunk, int]]:
