@@ -24,9 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-FULL, INDICES, BITMASK = 0, 1, 2
-ENCODINGS = {FULL: "full", INDICES: "indices", BITMASK: "bitmask"}
-INDEX_BYTES = 4  # int32: one segment never holds 2^31 elements (a bucket is far smaller)
+from megarl.layout.sync_cost import BITMASK, ENCODINGS, FULL, INDEX_BYTES, INDICES, choose_encoding  # noqa: F401  (the wire's arithmetic)
+
 HEADER_ELEMENTS = 3  # int64 (encoding, changed elements, payload bytes)
 HEADER_BYTES = HEADER_ELEMENTS * 8
 
@@ -44,15 +43,6 @@ class Piece:
     @property
     def numel(self) -> int:
         return self.nbytes // self.itemsize
-
-
-def choose_encoding(elements: int, changed: int, value_bytes: int, full_bytes: int) -> tuple[int, int]:
-    """(encoding, payload bytes) of the cheapest way to send `changed` of `elements` elements whose
-    values take `value_bytes`, against `full_bytes` for the whole segment; ties go to full."""
-    costs = [(full_bytes, FULL), (INDEX_BYTES * changed + value_bytes, INDICES),
-             (-(-elements // 8) + value_bytes, BITMASK)]
-    nbytes, encoding = min(costs, key=lambda c: (c[0], c[1]))
-    return encoding, nbytes
 
 
 def _regions(seg: torch.Tensor, pieces: list[Piece]) -> list[torch.Tensor]:
