@@ -2,7 +2,8 @@
 
     python benchmarks/delta_sync.py --out benchmarks/results/delta_sync_cpu.json
 
-(re-launches itself under torchrun with 2 processes; on CPU with gloo, NCCL on CUDA). For each
+(re-launches itself under torchrun with 2 processes; on CPU with gloo, on 2 GPUs with NCCL: the
+same script is the GPU measurement for the day two GPUs are lent). For each
 model and learning rate: rank 0 trains a random-init Hugging Face model in fp32 (AdamW, betas
 0.9 / 0.999, weight decay 0.01, gradient clipping 1.0) with PPO's clipped surrogate loss
 (megarl.algorithms.losses.policy_loss) on random token sequences with random per-sequence
@@ -43,6 +44,7 @@ from megarl.hybrid.layout import RolloutLayout, TrainLayout
 from megarl.models.sharding import ShardMeta
 
 TRAIN = TrainLayout(2, 1, 1, 1)
+DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")  # NCCL there, else gloo
 
 
 def parse_args(argv=None):
@@ -80,14 +82,14 @@ def build_model(kind: str, layers: int, tiny: bool):
 def ppo_update(model, opt, step: int, batch: int, seq: int, vocab: int) -> float:
     """One PPO update: clipped surrogate on random sequences with random per-sequence advantages."""
     g = torch.Generator().manual_seed(step)
-    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g).to(DEVICE)
     response = min(32, seq - 1)
     logits = model(input_ids=ids).logits[:, -response - 1:-1].float()
     logp = torch.log_softmax(logits, -1).gather(-1, ids[:, -response:, None]).squeeze(-1)
     # old log-probs a little off the current ones, as after an earlier mini-batch of the step
-    old = logp.detach() + 0.05 * torch.randn(logp.shape, generator=g)
-    advantages = torch.randn(batch, 1, generator=g).expand(batch, response)
-    loss, _ = policy_loss(logp, old, advantages, torch.ones(batch, response))
+    old = logp.detach() + 0.05 * torch.randn(logp.shape, generator=g).to(DEVICE)
+    advantages = torch.randn(batch, 1, generator=g).expand(batch, response).to(DEVICE)
+    loss, _ = policy_loss(logp, old, advantages, torch.ones(batch, response, device=DEVICE))
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -107,7 +109,8 @@ def rollout_weights(names_shapes, model, rank: int) -> dict[str, torch.Tensor]:
     out = {}
     params = dict(model.named_parameters()) if model is not None else {}
     for name, shape in names_shapes:
-        t = params[name].detach().to(torch.bfloat16).contiguous() if rank == 0 else torch.empty(shape, dtype=torch.bfloat16)
+        t = (params[name].detach().to(DEVICE, torch.bfloat16).contiguous() if rank == 0
+             else torch.empty(shape, dtype=torch.bfloat16, device=DEVICE))
         dist.broadcast(t, src=0)
         out[name] = t
     return out
@@ -124,14 +127,18 @@ def local_shards(full: dict[str, torch.Tensor], rank: int):
 
 def timed_stream(engine: HybridEngine, shards) -> tuple[dict[str, torch.Tensor], float]:
     dist.barrier()
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
     start = time.perf_counter()
     got = {name: t.clone() for name, t in engine.stream(shards)}
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     return got, seconds
 
 
 def max_over_ranks(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=DEVICE)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
@@ -139,7 +146,7 @@ def max_over_ranks(values: list[float]) -> list[float]:
 def run_one(kind: str, lr: float, args, rank: int) -> dict:
     model = opt = None
     if rank == 0:
-        model = build_model(kind, args.layers, args.tiny)
+        model = build_model(kind, args.layers, args.tiny).to(DEVICE)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.01)
     meta = [[(n, tuple(p.shape)) for n, p in model.named_parameters()] if rank == 0 else None]
     dist.broadcast_object_list(meta, src=0)
@@ -188,8 +195,10 @@ def main(argv=None) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, *sys.argv[1:]]
         env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         sys.exit(subprocess.call(cmd, env=env))
-    dist.init_process_group("gloo")
+    dist.init_process_group("nccl" if DEVICE.type == "cuda" else "gloo")
     rank = dist.get_rank()
+    if DEVICE.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     results: dict = {}
     lrs = [float(x) for x in args.lrs.split(",")]
@@ -204,7 +213,7 @@ def main(argv=None) -> None:
             by_lr[key] = round(sent / full, 4)
         out = dict(benchmark="delta_sync", command=" ".join(["python", "benchmarks/delta_sync.py", *sys.argv[1:]]),
                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), machine=platform.node(),
-                   cpu=platform.processor() or platform.machine(), torch=torch.__version__, layout="train tp2 -> rollout tp1, gloo",
+                   cpu=platform.processor() or platform.machine(), torch=torch.__version__, layout=f"train tp2 -> rollout tp1, {dist.get_backend()}",
                    rollout_dtype="bfloat16", master_dtype="float32", steps=args.steps, bytes_over_full=by_lr,
                    seconds_over_full={f"{lr:g}": round(sum(results[k][f'{lr:g}']['median_delta_s'] for k in results)
                                                        / sum(results[k][f'{lr:g}']['median_full_s'] for k in results), 4) for lr in lrs},
