@@ -86,7 +86,7 @@ def test_resync_from_every_train_layout_matches_transformers(tmp_path, rollout_t
         if rollout_tp == 2 or rank == 1:
             with pytest.raises(WeightSyncMismatch, match="float32"):
                 check_sync(engine_lp, actor_lp, mask, "float32", where="rollout.engine=vllm")
-        else:
+        elif not delta:  # under delta the export holds the actor after its step; this snapshot predates it
             check_sync(engine_lp, actor_lp, mask, "float32")
 
 
