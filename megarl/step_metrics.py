@@ -70,7 +70,7 @@ def step_metrics(*, batch_stats: dict[str, float], update: dict[str, float], rew
         "response_length/clip_ratio": batch_stats["response_length/clip_ratio"],
         "training/hybrid_sync_bytes": float(sync_bytes),
         # rollout.weight_sync: what a full sync receives (the bound beside the bytes) and the share of
-        # the received elements that went as changed (1 on a full sync; docs/rollout.md)
+        # the received elements that changed since the last sync (1 on a full sync; docs/rollout.md)
         "training/hybrid_sync_full_bytes": float(sync_full_bytes),
         "training/hybrid_sync_changed_fraction": float(sync_changed_fraction),
         "training/hybrid_sync_peak_bytes": float(sync_peak_bytes),

@@ -37,7 +37,7 @@ class SyncStats:
     cuda_peak_extra_bytes: int | None = None
     payload_received: int = 0  # bytes_received less the alignment padding of its chunks
     full_bytes_received: int = 0  # what a full sync receives: the bound bytes_received is measured against
-    changed_fraction: float = 1.0  # of the elements this rank received, the share sent as changed (1: full sync)
+    changed_fraction: float = 1.0  # of the elements this rank received, the share that changed since the last sync (1: full sync)
     full: bool = True  # this sync sent every segment in full (mode full, the first sync, every full_every-th)
     copy_bytes: int = 0  # delta sync: what this rank keeps of the last sync (rollout dtype, on the sync device)
 

@@ -47,7 +47,7 @@ class TransferStats:
     payload_received: int = 0  # the chunks' own bytes in what was received (no padding)
     full_bytes_received: int = 0  # what a full sync puts on the wire into this rank (= bytes_received in full mode)
     elements_received: int = 0  # elements of the segments received
-    changed_received: int = 0  # of which sent as changed (all of them in a segment sent in full)
+    changed_received: int = 0  # of which changed since the last sync (the sender's count; all of them in a full sync)
 
 
 @dataclass
@@ -327,7 +327,7 @@ class PlanRunner:
         stats.bytes_received += delta.HEADER_BYTES + nbytes
         stats.full_bytes_received += nbytes_full
         stats.elements_received += elements
-        stats.changed_received += elements if encoding == delta.FULL else changed
+        stats.changed_received += changed  # the sender's count: a segment past the break-even goes whole but says how much moved
         return held_in
 
 
