@@ -80,7 +80,7 @@ class RolloutServer:
         self.sync_bytes = 0  # bytes of the last weight stream received by this rank (chunks padded to 8 bytes)
         self.sync_payload_bytes = 0  # the same without the padding: its rollout shard
         self.sync_full_bytes = 0  # what a full stream brings this rank (rollout.weight_sync.mode=delta sends less)
-        self.sync_changed_fraction = 1.0  # of the elements received, the share sent as changed (1: a full stream)
+        self.sync_changed_fraction = 1.0  # of the elements received, the share that changed (1: a full stream)
         self.busy_s = 0.0
         self.started = time.perf_counter()
         self.error: BaseException | None = None

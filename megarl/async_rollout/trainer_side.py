@@ -56,6 +56,6 @@ def take_step(schedule: AsyncSchedule, trainer, sampling) -> tuple[list, dict[st
         "async/rollout_busy_s": out["busy_s"],  # the rollout rank's generating seconds so far (cumulative)
         "async/rollout_sync_bytes": out["sync_bytes"],  # received by one rollout rank in the last weight stream
         "async/rollout_sync_full_bytes": out["sync_full_bytes"],  # what a full stream brings it (rollout.weight_sync)
-        "async/rollout_sync_changed_fraction": out["sync_changed_fraction"],  # of its elements, sent as changed
+        "async/rollout_sync_changed_fraction": out["sync_changed_fraction"],  # of its elements, the share that changed
         "async/rollout_shard_bytes": out["shard_bytes"],  # its rollout shard: the bound (sync = shard + alignment)
     }
