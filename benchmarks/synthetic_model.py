@@ -24,6 +24,7 @@ class SyntheticModel:
     vocab: int = 256
     num_experts: int = 0  # 0 = dense MLP
     dtype: torch.dtype = torch.float32
+    shared_expert: bool = False  # MoE: a shared expert beside the routed ones (TP-split, on every EP rank)
 
     def tensors(self) -> list[tuple[str, tuple[int, ...], int | None, int, int, int | None]]:
         """[(name, full_shape, tp_dim, sub_chunks, layer or -1 (first stage) / -2 (last), expert or None)]."""
@@ -42,6 +43,9 @@ class SyntheticModel:
                 out += [(p + "mlp.linear_fc1.weight", (2 * f, h), 0, 2, layer, None), (p + "mlp.linear_fc2.weight", (h, f), 1, 1, layer, None)]
             else:
                 out.append((p + "mlp.router.weight", (self.num_experts, h), None, 1, layer, None))
+                if self.shared_expert:
+                    q = p + "mlp.shared_experts."
+                    out += [(q + "linear_fc1.weight", (2 * f, h), 0, 2, layer, None), (q + "linear_fc2.weight", (h, f), 1, 1, layer, None)]
                 for e in range(self.num_experts):
                     q = p + f"mlp.experts.local_experts.{e}."
                     out += [(q + "linear_fc1.weight", (2 * f, h), 0, 2, layer, e), (q + "linear_fc2.weight", (h, f), 1, 1, layer, e)]

@@ -48,6 +48,7 @@ def local_stats(*, scores: torch.Tensor, token_rewards: torch.Tensor, mask: torc
 
 def step_metrics(*, batch_stats: dict[str, float], update: dict[str, float], reward_kl: float, kl_coef: float,
                  actor_lr: float, sync_bytes: int, sync_peak_bytes: int, dropped_prompts: int,
+                 sync_full_bytes: int = 0, sync_changed_fraction: float = 1.0,
                  bytes_moved: dict[str, int], memory: dict[str, float], resident: dict[str, float],
                  timing: dict[str, float], world_size: int, explained_var: float | None,
                  guard_events: list[tuple[str, dict]]) -> dict[str, float]:
@@ -68,6 +69,10 @@ def step_metrics(*, batch_stats: dict[str, float], update: dict[str, float], rew
         "response_length/mean": batch_stats["response_length/mean"],
         "response_length/clip_ratio": batch_stats["response_length/clip_ratio"],
         "training/hybrid_sync_bytes": float(sync_bytes),
+        # rollout.weight_sync: what a full sync receives (the bound beside the bytes) and the share of
+        # the received elements that changed since the last sync (1 on a full sync; docs/rollout.md)
+        "training/hybrid_sync_full_bytes": float(sync_full_bytes),
+        "training/hybrid_sync_changed_fraction": float(sync_changed_fraction),
         "training/hybrid_sync_peak_bytes": float(sync_peak_bytes),
         "training/data_dropped_prompts": float(dropped_prompts),
         **{f"perf/{kind}_bytes": float(moved) for kind, moved in bytes_moved.items()},

@@ -204,7 +204,8 @@ class Trainer:
         # actor.lora into vLLM: the base once, then only the adapters (megarl.models.lora_sync)
         self.adapter_sync = AdapterSync(self.actor, self.actor.lora, cfg.model.path) if self.weight_path == "adapter" else None
         self.hybrid = HybridEngine(self._actor_shards(), train=dims.layout,
-                                   rollout=setup.weight_layout, bucket_bytes=r.bucket_bytes, convert=setup.convert, separate=separate)
+                                   rollout=setup.weight_layout, bucket_bytes=r.bucket_bytes, convert=setup.convert, separate=separate,
+                                   mode=r.weight_sync.mode, full_every=r.weight_sync.full_every)
         groups = setup.groups
         # the ranks holding one DP batch split its prompts (CP ranks too: each generates its share, not all)
         batch_group = dims.batch_group
@@ -416,7 +417,8 @@ class Trainer:
         events = sync_check.events + before.events + after.events
         metrics = step_metrics(
             batch_stats=batch_stats, update=update, reward_kl=reward_kl, kl_coef=self.kl_ctrl.value, actor_lr=self.actor.lr,
-            sync_bytes=sync.bytes_received, sync_peak_bytes=sync.peak_extra_bytes, dropped_prompts=self.data.num_dropped,
+            sync_bytes=sync.bytes_received, sync_peak_bytes=sync.peak_extra_bytes, sync_full_bytes=sync.full_bytes_received,
+            sync_changed_fraction=sync.changed_fraction, dropped_prompts=self.data.num_dropped,
             bytes_moved={kind: total - moved_before[kind] for kind, total in self._bytes_moved().items()},
             memory=_memory_metrics(), resident=self._resident_metrics(resident), timing=timing,
             world_size=self.dims.world_size, explained_var=explained_var, guard_events=events)
@@ -675,9 +677,11 @@ class Trainer:
     def _resident_metrics(self, resident: dict[str, int]) -> dict[str, float]:
         """memory/resident_gb/<phase>: the engines' parameters, gradients and optimizer state in
         memory at the end of each phase; memory/<role>/{param,trainable_param,grad,optimizer_state}_bytes:
-        each trained engine's state by size (under LoRA the last three follow the adapters). Both the
-        maximum over ranks, in one collective per step."""
+        each trained engine's state by size (under LoRA the last three follow the adapters);
+        memory/weight_sync_copy_bytes: what rollout.weight_sync.mode=delta keeps between syncs (0 under
+        full). All the maximum over ranks, in one collective per step."""
         names = {f"memory/resident_gb/{p.removeprefix('timing_s/')}": resident[p] / 2**30 for p in resident}
+        names["memory/weight_sync_copy_bytes"] = float(self.hybrid.delta_copy_bytes())
         for role, engine in (("actor", self.actor), ("critic", self.critic)):
             if engine is not None:
                 sizes = engine.state_bytes()

@@ -79,6 +79,8 @@ class RolloutServer:
         self.staged_version = -1
         self.sync_bytes = 0  # bytes of the last weight stream received by this rank (chunks padded to 8 bytes)
         self.sync_payload_bytes = 0  # the same without the padding: its rollout shard
+        self.sync_full_bytes = 0  # what a full stream brings this rank (rollout.weight_sync.mode=delta sends less)
+        self.sync_changed_fraction = 1.0  # of the elements received, the share that changed (1: a full stream)
         self.busy_s = 0.0
         self.started = time.perf_counter()
         self.error: BaseException | None = None
@@ -100,6 +102,8 @@ class RolloutServer:
                     staged = {name: t.detach().clone() for name, t in self.hybrid.stream()}
                     self.sync_bytes = self.hybrid.last_stats.bytes_received
                     self.sync_payload_bytes = self.hybrid.last_stats.payload_received
+                    self.sync_full_bytes = self.hybrid.last_stats.full_bytes_received
+                    self.sync_changed_fraction = self.hybrid.last_stats.changed_fraction
                     with self.cond:
                         if self.rank == self.leader:
                             self.staged = (version, staged)
@@ -192,7 +196,8 @@ class RolloutServer:
                 if res.versions is None:
                     res.versions = [self.engine.version] * len(res.response_token_ids)
             self.busy_s += time.perf_counter() - start
-            info = {"sync_bytes": self.sync_bytes, "shard_bytes": self.hybrid.plan.needed_bytes[self.rank], "busy_s": self.busy_s, "wall_s": time.perf_counter() - self.started,
+            info = {"sync_bytes": self.sync_bytes, "sync_full_bytes": self.sync_full_bytes,
+                    "sync_changed_fraction": self.sync_changed_fraction, "shard_bytes": self.hybrid.plan.needed_bytes[self.rank], "busy_s": self.busy_s, "wall_s": time.perf_counter() - self.started,
                     "rank": self.rank}
             send_object(("result", item.request_id, results, info), item.client, self.groups.up)
         for follower in self.engine_ranks[1:]:
@@ -213,7 +218,8 @@ def make_server(cfg, groups, rank: int, log=print) -> RolloutServer:
     placement = groups.placement
     setup = build_engine(cfg, groups, rank)
     hybrid = HybridEngine({}, train=layout_of(cfg.parallel, placement.train_size), rollout=setup.weight_layout,
-                          bucket_bytes=cfg.rollout.bucket_bytes, separate=groups, device=current_platform().device)
+                          bucket_bytes=cfg.rollout.bucket_bytes, separate=groups, device=current_platform().device,
+                          mode=cfg.rollout.weight_sync.mode, full_every=cfg.rollout.weight_sync.full_every)
     hybrid.convert = setup.convert
     episodes = None
     if cfg.rollout.multi_turn.environment is not None:  # the episodes run here, beside the engine (megarl.rollout.multi_turn)

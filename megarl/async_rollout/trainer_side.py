@@ -39,6 +39,8 @@ def take_step(schedule: AsyncSchedule, trainer, sampling) -> tuple[list, dict[st
     local.max("wait_s", torch.tensor(schedule.remote.wait_s - wait_before))
     info = schedule.remote.server_info
     local.max("sync_bytes", torch.tensor(float(info.get("sync_bytes", 0))))
+    local.max("sync_full_bytes", torch.tensor(float(info.get("sync_full_bytes", 0))))
+    local.max("sync_changed_fraction", torch.tensor(float(info.get("sync_changed_fraction", 1.0))))
     local.max("shard_bytes", torch.tensor(float(info.get("shard_bytes", 0))))
     local.max("busy_s", torch.tensor(float(info.get("busy_s", 0.0))))
     local.max("rollout_busy", torch.tensor(info.get("busy_s", 0.0) / max(info.get("wall_s", 0.0), 1e-9)))
@@ -53,5 +55,7 @@ def take_step(schedule: AsyncSchedule, trainer, sampling) -> tuple[list, dict[st
         "async/rollout_busy_fraction": out["rollout_busy"],  # of the rollout rank's wall time so far
         "async/rollout_busy_s": out["busy_s"],  # the rollout rank's generating seconds so far (cumulative)
         "async/rollout_sync_bytes": out["sync_bytes"],  # received by one rollout rank in the last weight stream
+        "async/rollout_sync_full_bytes": out["sync_full_bytes"],  # what a full stream brings it (rollout.weight_sync)
+        "async/rollout_sync_changed_fraction": out["sync_changed_fraction"],  # of its elements, the share that changed
         "async/rollout_shard_bytes": out["shard_bytes"],  # its rollout shard: the bound (sync = shard + alignment)
     }

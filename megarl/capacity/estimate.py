@@ -28,6 +28,11 @@ from megarl.capacity.arch import (Arch, Tensor, embedding_tensor, forward_flops_
                               lora_tensors, params_active, params_mtp, params_total, stage_layers, train_flops_per_token)
 from megarl.layout import ParallelLayout, RolloutLayout, assign_rollout, check_model, check_rollout, hybridflow_bytes_per_rank
 from megarl.capacity.hardware import GPU
+from megarl.layout.sync_cost import delta_wire_fraction
+
+# The changed fraction of a delta sync the planner assumes: bf16 elements that moved per sync under
+# PPO's AdamW at lr 1e-6, measured by benchmarks/delta_sync.py (results/delta_sync_cpu.json: 1.3% dense, 1.4% MoE).
+DELTA_CHANGED_FRACTION = 0.013
 
 GIB = 2**30
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -77,6 +82,9 @@ class RunShape:
     overhead_gib: float = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
     lora_rank: int = 0  # actor.lora.rank (and the critic's): adapters train, the base is frozen; no ref engine
     rollout_workspace_gib: float = 2.0  # the rollout engine's activations and sampler
+    weight_sync: str = "full"  # rollout.weight_sync.mode: full | delta
+    # delta: the share of the bf16 elements that change per sync (benchmarks/delta_sync.py at lr 1e-6)
+    delta_changed_fraction: float = DELTA_CHANGED_FRACTION
 
 
 @dataclass(frozen=True)
@@ -258,6 +266,9 @@ def activation_bytes(arch: Arch, lay: Layout, stage: int, run: RunShape, critic:
 def plan(arch: Arch, lay: Layout, run: RunShape, cl: Cluster) -> dict:
     """Everything the CLI prints, as a JSON-able dict (bytes as GiB, seconds)."""
     dp, edp = check(arch, lay, cl)
+    sync = sync_bytes(arch, lay, cl.gpus, dp)
+    sync.update(weight_sync_delta(sync["megarl_bytes_per_gpu"], run))
+    copy = sync["weight_sync_copy_bytes_per_gpu"]  # delta: kept on the GPU between syncs, in every phase
     # Under LoRA the reference is the actor with its adapters off: no engine of its own.
     roles = ["actor"] + (["critic"] if run.critic else []) + (["ref"] if run.ref and not run.lora_rank else [])
     cap = cl.gpu.memory_gib * GIB
@@ -275,9 +286,9 @@ def plan(arch: Arch, lay: Layout, run: RunShape, cl: Cluster) -> dict:
         # During the updates every trainable engine is back on the GPU; the reference is offloaded
         # after its forward when param_offload is set.
         ref_away = states["ref"].params if "ref" in states and run.param_offload else 0.0
-        total = params - ref_away + grads + optim + act + logits + run.overhead_gib * GIB
+        total = params - ref_away + grads + optim + act + logits + copy + run.overhead_gib * GIB
         train_rows.append({"stage": s, "params": params - ref_away, "grads": grads, "optimizer": optim, "activations": act,
-                           "logits": logits, "overhead": run.overhead_gib * GIB, "total": total})
+                           "logits": logits, "weight_sync_copy": copy, "overhead": run.overhead_gib * GIB, "total": total})
         offloaded = moved = 0.0
         for r, st in states.items():
             part = offloaded_bytes(st, r, run.param_offload, run.grad_offload, run.optimizer_offload == "phases")
@@ -302,8 +313,8 @@ def plan(arch: Arch, lay: Layout, run: RunShape, cl: Cluster) -> dict:
     seqs_per_instance = run.prompts_per_step * run.samples_per_prompt / (cl.gpus // G)
     kv_needed = seqs_per_instance * seq_tokens * kv_per_token
     resident = max(r["training_state"] for r in gen_rows)
-    gen_total = resident + budget + run.overhead_gib * GIB
-    gen = {"training_state": resident, "rollout_weights": weights, "rollout_budget": budget, "kv_cache": kv_capacity,
+    gen_total = resident + copy + budget + run.overhead_gib * GIB
+    gen = {"training_state": resident, "weight_sync_copy": copy, "rollout_weights": weights, "rollout_budget": budget, "kv_cache": kv_capacity,
            "kv_cache_needed_for_whole_batch": kv_needed, "overhead": run.overhead_gib * GIB, "total": gen_total}
     fits_gen = gen_total <= cap and kv_capacity >= seq_tokens * kv_per_token
     fits_train = train["total"] <= cap
@@ -322,11 +333,10 @@ def plan(arch: Arch, lay: Layout, run: RunShape, cl: Cluster) -> dict:
                         f"{weights / GIB:.1f} - workspace {run.rollout_workspace_gib:g} GiB) cannot hold one "
                         f"{seq_tokens}-token sequence ({seq_tokens * kv_per_token / GIB:.2f} GiB); raise --rollout-tp")
 
-    sync = sync_bytes(arch, lay, cl.gpus, dp)
     link = "nvlink" if cl.gpus <= cl.gpus_per_node or (lay.pp == 1 and max(lay.tp, G) <= cl.gpus_per_node) else "ib"
     bw = (cl.gpu.nvlink_gb_s if link == "nvlink" else cl.gpu.ib_gb_s) * 1e9
     hf = sync["hybridflow_bytes_per_gpu"]
-    sync.update(link=link, seconds=sync["megarl_bytes_per_gpu"] / bw, hybridflow_seconds=None if hf is None else hf / bw)
+    sync.update(link=link, seconds=sync["bytes_per_sync_per_gpu"] / bw, hybridflow_seconds=None if hf is None else hf / bw)
     times = step_time(arch, run, cl, sync["seconds"], lay, dp)
 
     def gib(d: dict) -> dict:
@@ -370,6 +380,20 @@ def _overlap(t: int, j: int, G: int, q: int) -> float:
     """Fraction of a tensor both in training shard j of t and rollout shard q of G."""
     lo, hi = max(j / t, q / G), min((j + 1) / t, (q + 1) / G)
     return max(0.0, hi - lo)
+
+
+def weight_sync_delta(full_bytes: float, run: RunShape) -> dict:
+    """A sync's bytes per GPU under rollout.weight_sync (full: `full_bytes`, megarl's plan; delta:
+    that times the wire share of run.delta_changed_fraction, megarl.layout.sync_cost) and what delta
+    keeps on the GPU between syncs: a copy of every segment the GPU sends or receives, about twice
+    what it receives (in the micro-DP all-gather each GPU sends about what it receives)."""
+    if run.weight_sync not in ("full", "delta"):
+        raise ValueError(f"weight sync mode must be 'full' or 'delta', got {run.weight_sync!r}")
+    delta = run.weight_sync == "delta"
+    share = delta_wire_fraction(run.delta_changed_fraction) if delta else 1.0
+    return {"weight_sync": run.weight_sync, "full_bytes_per_sync_per_gpu": full_bytes, "bytes_per_sync_per_gpu": full_bytes * share,
+            "delta_changed_fraction": run.delta_changed_fraction if delta else None,
+            "weight_sync_copy_bytes_per_gpu": 2 * full_bytes if delta else 0.0}
 
 
 def sync_bytes(arch: Arch, lay: Layout, gpus: int, dp: int, dtype_bytes: int = 2) -> dict:

@@ -41,6 +41,7 @@ def planner_inputs(cfg: Config, **run_overrides) -> tuple[str, Layout, RunShape]
         dtype=cfg.model.dtype,
         gpu_memory_fraction=r.gpu_memory_utilization,
         lora_rank=a.lora.rank,
+        weight_sync=r.weight_sync.mode,
     )
     shape.update(run_overrides)
     return cfg.model.path, lay, RunShape(**shape)

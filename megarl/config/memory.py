@@ -12,6 +12,8 @@ role) estimates
 
     training state on the GPU while the engine generates (step 2 on, with the optimizer state)
     + rollout.gpu_memory_utilization x device memory + 4 GiB (CUDA context, NCCL, fragmentation)
+    + under rollout.weight_sync.mode=delta, the copy of what was last synced (about twice the bytes
+      a full sync brings the GPU; megarl.capacity.estimate.weight_sync_delta)
 
 against the device's memory. When that does not fit, offloads left null are turned on, cheapest
 first as verl's colocated recipes do (gradients and optimizer state of actor and critic, then the
@@ -56,10 +58,11 @@ class ColocatedMemory:
     engine: float  # rollout.gpu_memory_utilization x device
     device: float
     overhead: float = OVERHEAD_BYTES
+    weight_sync_copy: float = 0.0  # rollout.weight_sync.mode=delta: what was last synced, kept on the GPU
 
     @property
     def total(self) -> float:
-        return self.training_state + self.engine + self.overhead
+        return self.training_state + self.weight_sync_copy + self.engine + self.overhead
 
     @property
     def fits(self) -> bool:
@@ -84,12 +87,12 @@ def estimate(cfg: Config, world_size: int, device_bytes: float) -> ColocatedMemo
     """The estimate for `cfg` as its offloads stand (null = off); None when the planner does not
     know the model (no config.json yet, or a family it does not read)."""
     from megarl.capacity.arch import arch_from_config, load_config
-    from megarl.capacity.estimate import Cluster, RunShape, check, engine_state, offloaded_bytes
+    from megarl.capacity.estimate import Cluster, RunShape, check, engine_state, offloaded_bytes, sync_bytes, weight_sync_delta
     from megarl.capacity.from_config import planner_inputs
     from megarl.capacity.hardware import GPU
 
     _, lay, _ = planner_inputs(cfg)  # the planner's layout of this config, as `megarl.tools.plan` reads it
-    run = RunShape(dtype=cfg.model.dtype, gpu_memory_fraction=cfg.rollout.gpu_memory_utilization)
+    run = RunShape(dtype=cfg.model.dtype, gpu_memory_fraction=cfg.rollout.gpu_memory_utilization, weight_sync=cfg.rollout.weight_sync.mode)
     archs = {}
     for role in roles(cfg):
         path = os.path.join((cfg.critic.model_path if role == "critic" else None) or cfg.model.path, "config.json")
@@ -108,8 +111,9 @@ def estimate(cfg: Config, world_size: int, device_bytes: float) -> ColocatedMemo
             st = engine_state(arch, lay, stage, run, dp, edp, role)
             held += st.total() - offloaded_bytes(st, role, *_offload_flags(cfg, role))
         resident = max(resident, held)
+    copy = weight_sync_delta(sync_bytes(archs["actor"], lay, world_size, dp)["megarl_bytes_per_gpu"], run)["weight_sync_copy_bytes_per_gpu"]
     return ColocatedMemory(training_state=resident, engine=cfg.rollout.gpu_memory_utilization * device_bytes,
-                           device=device_bytes)
+                           device=device_bytes, weight_sync_copy=copy)
 
 
 def _with(cfg: Config, settings: dict[tuple[str, str], bool]) -> Config:
@@ -159,7 +163,7 @@ def check_colocated_memory(cfg: Config, world_size: int, device_bytes: float | N
 def refusal(cfg: Config, est: ColocatedMemory, device_bytes: float) -> str:
     """The one line that stops the run: the arithmetic and the knobs that would help."""
     r = cfg.rollout
-    room = (device_bytes - est.training_state - est.overhead) / device_bytes
+    room = (device_bytes - est.training_state - est.weight_sync_copy - est.overhead) / device_bytes
     fixes = []
     if room >= 0.05:
         fixes.append(f"lower rollout.gpu_memory_utilization to {int(room * 100) / 100:.2f} or less")
@@ -168,8 +172,11 @@ def refusal(cfg: Config, est: ColocatedMemory, device_bytes: float) -> str:
     if offs:
         fixes.append("set " + " ".join(offs))
     fixes.append("or spread the model over more GPUs (parallel.tp / parallel.pp)")
+    if est.weight_sync_copy:
+        fixes.append("or set rollout.weight_sync.mode=full")
+    copy = (f" + {est.weight_sync_copy / GIB:.1f} GiB of rollout.weight_sync.mode=delta's copy" if est.weight_sync_copy else "")
     return (f"rollout.gpu_memory_utilization={r.gpu_memory_utilization:g}: the colocated {r.engine} engine would not fit from "
             f"step 2: {est.training_state / GIB:.1f} GiB of training state left on each GPU while it generates (optimizer "
-            f"moments included) + {r.gpu_memory_utilization:g} x {device_bytes / GIB:.1f} GiB + {est.overhead / GIB:g} GiB "
+            f"moments included){copy} + {r.gpu_memory_utilization:g} x {device_bytes / GIB:.1f} GiB + {est.overhead / GIB:g} GiB "
             f"overhead = {est.total / GIB:.1f} GiB > {device_bytes / GIB:.1f} GiB; {'; '.join(fixes)} "
             f"(rollout.memory_check=false skips this estimate)")

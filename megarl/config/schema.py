@@ -132,6 +132,17 @@ class MultiTurnConfig:
 
 
 @dataclass
+class WeightSyncConfig:
+    mode: Literal["full", "delta"] = knob(
+        "full", "full: every sync sends each rollout shard whole; delta: after a full sync, each bucket carries only the "
+                "elements whose rollout-dtype value changed (indices or a bitmask with the values, or the bucket in full "
+                "past the break-even), at the price of a copy of every segment a rank sends or receives kept between syncs "
+                "(docs/rollout.md, 'Delta weight sync')")
+    full_every: int = knob(50, "with mode=delta, every full_every-th sync sends everything in full (the first one always does)",
+                           ge=1)
+
+
+@dataclass
 class RolloutConfig:
     engine: Literal["hf", "vllm", "sglang"] = knob("hf", "inference engine that generates responses (hf runs on CPU)")
     tp: int = knob(1, "tensor-parallel size of the inference engine", ge=1)
@@ -146,6 +157,8 @@ class RolloutConfig:
     banned_token_ids: list[int] = knob([], "token ids never sampled, in every engine (e.g. pad/bos/unk a policy could learn to emit)")
     gpu_memory_utilization: float = knob(0.5, "fraction of GPU memory the engine may take (vllm/sglang)", gt=0, le=1)
     bucket_bytes: int = knob(512 * 2**20, "bytes per bucket of the actor -> engine weight stream", ge=1)
+    weight_sync: WeightSyncConfig = section(WeightSyncConfig, "what each weight sync sends: everything or the changes "
+                                                              "(docs/rollout.md)")
     memory_check: bool = knob(True, "at start-up, on CUDA with engine vllm/sglang: estimate the training state left on the GPU "
                                      "while the engine generates (Adam moments included) plus gpu_memory_utilization of the "
                                      "device; turn on the offloads left null, or stop naming the knob (docs/operations.md)")

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.layout import ParallelLayout, RolloutLayout, assign_rollout, hybridflow_bytes_per_rank, separate_assignment
+from megarl.hybrid.delta import SegmentCopies
 from megarl.hybrid.plan import Plan, build_specs, make_plan
 from megarl.hybrid.transfer import Converter, MemoryMeter, PlanRunner, TransferStats, identity_convert
 from megarl.models.sharding import ShardMeta
@@ -35,6 +36,10 @@ class SyncStats:
     seconds: float
     cuda_peak_extra_bytes: int | None = None
     payload_received: int = 0  # bytes_received less the alignment padding of its chunks
+    full_bytes_received: int = 0  # what a full sync receives: the bound bytes_received is measured against
+    changed_fraction: float = 1.0  # of the elements this rank received, the share that changed since the last sync (1: full sync)
+    full: bool = True  # this sync sent every segment in full (mode full, the first sync, every full_every-th)
+    copy_bytes: int = 0  # delta sync: what this rank keeps of the last sync (rollout dtype, on the sync device)
 
 
 def shard_metadata(local_shards: LocalShards) -> list[tuple]:
@@ -58,11 +63,22 @@ class HybridEngine:
     separate: the world split of separate placement (megarl.placement.WorldGroups): the rollout
         ranks, which hold no training shard (empty local_shards), load the stream; the same plan,
         point to point over `separate.down`. Collective over the whole world then.
+    mode: rollout.weight_sync.mode: "full" sends every rollout shard whole at every sync; "delta"
+        sends, after a full sync, only the elements that changed (megarl.hybrid.delta), with a full
+        sync every `full_every` syncs and after `resync_full()`. Every rank of the stream must use
+        the same mode and full_every (the trainer's and the rollout ranks' engines read one config).
     """
 
     def __init__(self, local_shards: LocalShards, *, train: ParallelLayout, rollout: RolloutLayout = RolloutLayout(),
                  bucket_bytes: int = 512 << 20, convert: Converter | None = None, device: torch.device | str | None = None,
-                 separate=None):
+                 separate=None, mode: str = "full", full_every: int = 50):
+        if mode not in ("full", "delta"):
+            raise ValueError(f"rollout.weight_sync.mode must be 'full' or 'delta', got {mode!r}")
+        if full_every < 1:
+            raise ValueError(f"rollout.weight_sync.full_every must be >= 1, got {full_every}")
+        self.mode, self.full_every = mode, full_every
+        self._copies = SegmentCopies() if mode == "delta" else None
+        self._syncs_since_full: int | None = None  # None: the next sync is full
         if not dist.is_initialized():
             raise ValueError("HybridEngine needs torch.distributed initialised (gloo on CPU, nccl on GPU)")
         if separate is None and dist.get_world_size() != train.world_size:
@@ -89,7 +105,7 @@ class HybridEngine:
         needed = sorted({op.group for b in self.plan.buckets for op in b.ops if op.group is not None})
         self._groups = {g: dist.new_group(list(g)) for g in needed}
         self._runner = PlanRunner(self.plan, self.rank, self._groups, self.device, all_gather_as_broadcasts=dist.get_backend() == "gloo",
-                                  p2p_group=None if separate is None else separate.down)
+                                  p2p_group=None if separate is None else separate.down, copies=self._copies)
         self.last_stats: SyncStats | None = None
 
     # ---------------------------------------------------------------- layout facts
@@ -110,6 +126,23 @@ class HybridEngine:
             "planned_bytes_per_rank_max": max(self.plan.planned_recv_bytes),
         }
 
+    def delta_copy_bytes(self) -> int:
+        """Bytes this rank keeps between syncs under delta sync (0 under full): a copy of every
+        segment it sends or receives, i.e. its bucket buffers of all buckets together."""
+        if self.mode != "delta":
+            return 0
+        return sum(op.nbytes for b in self.plan.buckets for op in b.ops if self.rank in op.participants)
+
+    def resync_full(self) -> None:
+        """The next sync sends everything in full and forgets the copies (an engine or a peer that
+        lost what it held). Collective in effect: every rank of the stream must call it together."""
+        self._syncs_since_full = None
+        if self._copies is not None:
+            self._copies.clear()
+
+    def _next_is_full(self) -> bool:
+        return self.mode == "full" or self._syncs_since_full is None or self._syncs_since_full + 1 >= self.full_every
+
     # ---------------------------------------------------------------- sync
     def stream(self, local_shards: LocalShards | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield this rank's (engine name, tensor) stream; a collective: every rank must drain it.
@@ -126,13 +159,17 @@ class HybridEngine:
             torch.cuda.synchronize(self.device)
             base = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        yield from self._runner.run(local, self.convert, meter, stats)
+        full = self._next_is_full()
+        yield from self._runner.run(local, self.convert, meter, stats, full=full)
+        self._syncs_since_full = 0 if full else self._syncs_since_full + 1
         cuda_peak = None
         if cuda:
             torch.cuda.synchronize(self.device)
             cuda_peak = torch.cuda.max_memory_allocated(self.device) - base
+        changed = stats.changed_received / stats.elements_received if stats.elements_received else (1.0 if full else 0.0)
         self.last_stats = SyncStats(stats.bytes_received, stats.bytes_sent, stats.collectives, meter.peak, stats.seconds, cuda_peak,
-                                   stats.payload_received)
+                                   stats.payload_received, full_bytes_received=stats.full_bytes_received,
+                                   changed_fraction=changed, full=full, copy_bytes=self._copies.nbytes if self._copies else 0)
 
     def sync(self, engine, local_shards: LocalShards | None = None) -> SyncStats:
         """Load the current weights into `engine` and bring its KV cache back; returns the cost."""

@@ -7,7 +7,9 @@
   latent rows over tp, layers over stages, experts over ep; heads over rollout.tp), and what megarl's
   trainer refuses;
 - `rollout.py`: rollout groups (`check_rollout`, `rollout_blocks`, `assign_rollout`,
-  `separate_assignment` for separate placement) and the HybridFlow transition bound.
+  `separate_assignment` for separate placement) and the HybridFlow transition bound;
+- `sync_cost.py`: what a delta weight sync puts on the wire (the encoding choice and its share of a
+  full sync).
 
 `megarl.parallel.ParallelDims` (process groups), config validation, the planner (`megarl.capacity`),
 the model builder, the HybridEngine and the rollout builder all read it.

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from megarl import hub
 from megarl.capacity import Cluster, Layout, RunShape, arch_from_config, gpu_table, load_config, plan, search
+from megarl.capacity.estimate import DELTA_CHANGED_FRACTION
 
 
 def parser() -> argparse.ArgumentParser:
@@ -72,6 +73,11 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--mfu", type=float, default=0.35, help="assumed MFU of training forward/backward")
     run.add_argument("--gen-mfu", type=float, default=0.10, help="assumed MFU of generation (memory-bound)")
     run.add_argument("--overhead-gb", type=float, default=4.0, help="GiB per GPU for CUDA context, NCCL, fragmentation")
+    run.add_argument("--weight-sync", choices=("full", "delta"), default="full",
+                     help="rollout.weight_sync.mode: delta sends only the changed bf16 elements and keeps a copy of what crossed")
+    run.add_argument("--delta-changed-fraction", type=float, default=DELTA_CHANGED_FRACTION,
+                     help="with --weight-sync delta: the share of bf16 elements that change per sync (default: "
+                          "benchmarks/delta_sync.py at lr 1e-6)")
     pl = p.add_argument_group("rollout placement (docs/async_rl.md)")
     pl.add_argument("--rollout-gpus", type=int, help="GPUs that only generate under rollout.placement=separate "
                                                      "(default: the split with the shortest asynchronous step)")
@@ -92,6 +98,8 @@ def _positive(args) -> None:
         raise ValueError(f"--etp must be at least 1, got {args.etp}")
     if not 0 < args.gpu_memory_fraction <= 1:
         raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {args.gpu_memory_fraction}")
+    if not 0 <= args.delta_changed_fraction <= 1:
+        raise ValueError(f"--delta-changed-fraction must be in [0, 1], got {args.delta_changed_fraction}")
     if not (0 < args.mfu <= 1 and 0 < args.gen_mfu <= 1):
         raise ValueError("--mfu and --gen-mfu must be in (0, 1]")
 
@@ -110,7 +118,7 @@ def build(args) -> tuple:
                      critic=args.critic, ref=args.ref, recompute=args.recompute, param_offload=args.param_offload,
                      grad_offload=args.grad_offload, optimizer_offload=args.optimizer_offload, dtype=args.dtype,
                      gpu_memory_fraction=args.gpu_memory_fraction, mfu=args.mfu, gen_mfu=args.gen_mfu, overhead_gib=args.overhead_gb,
-                     lora_rank=args.lora_rank)
+                     lora_rank=args.lora_rank, weight_sync=args.weight_sync, delta_changed_fraction=args.delta_changed_fraction)
     cluster = Cluster(args.gpus, args.gpus_per_node, table[args.gpu])
     if args.gpus_per_node > args.gpus and args.gpus > 1:
         cluster = Cluster(args.gpus, args.gpus, table[args.gpu])
@@ -131,9 +139,10 @@ def render(report: dict) -> str:
         f"cluster: {report['cluster']['gpus']} x {report['cluster']['name']} ({report['cluster']['memory_gib']:g} GiB)",
         "layout: " + " ".join(f"{k}={v}" for k, v in lay.items() if v is not None),
         f"training, per GPU (stage {tr['stage']}): params {tr['params']:.2f} + grads {tr['grads']:.2f} + optimizer "
-        f"{tr['optimizer']:.2f} + activations {tr['activations']:.2f} + logits {tr['logits']:.2f} + overhead "
+        f"{tr['optimizer']:.2f} + activations {tr['activations']:.2f} + logits {tr['logits']:.2f} + weight-sync copy "
+        f"{tr['weight_sync_copy']:.2f} + overhead "
         f"{tr['overhead']:.2f} = {tr['total']:.2f} GiB -> {'fits' if tr['fits'] else 'DOES NOT FIT'}",
-        f"rollout, per GPU: training state left {ro['training_state']:.2f} + rollout budget {ro['rollout_budget']:.2f} (weights "
+        f"rollout, per GPU: training state left {ro['training_state']:.2f} + weight-sync copy {ro['weight_sync_copy']:.2f} + rollout budget {ro['rollout_budget']:.2f} (weights "
         f"{ro['rollout_weights']:.2f}, KV cache {ro['kv_cache']:.2f} = {ro['kv_cache_tokens']} tokens, "
         f"{ro['generation_waves']} wave(s)) + overhead {ro['overhead']:.2f} = {ro['total']:.2f} GiB -> "
         f"{'fits' if ro['fits'] else 'DOES NOT FIT'}",
@@ -141,7 +150,9 @@ def render(report: dict) -> str:
         f"weight sync per GPU: megarl {s['megarl_bytes_per_gpu'] / 2**30:.3f} GiB (HybridFlow bound "
         + (f"{s['hybridflow_bytes_per_gpu'] / 2**30:.3f}" if s["hybridflow_bytes_per_gpu"] is not None else "n/a: rollout tp > tp x pp")
         + (f", naive all-gather {s['naive_bytes_per_gpu'] / 2**30:.3f}" if s["naive_bytes_per_gpu"] is not None else "")
-        + f") -> {s['seconds']:.2f} s over {s['link']}",
+        + f") -> {s['seconds']:.2f} s over {s['link']}"
+        + (f"; delta sync at {100 * s['delta_changed_fraction']:.1f}% changed: {s['bytes_per_sync_per_gpu'] / 2**30:.3f} GiB per sync, "
+           f"copy kept {s['weight_sync_copy_bytes_per_gpu'] / 2**30:.3f} GiB per GPU" if s["weight_sync"] == "delta" else ""),
         "step time (s): " + ", ".join(f"{k} {v:.2f}" for k, v in t.items() if k not in ("total", "sync_share", "assumed_mfu", "assumed_gen_mfu", "pipeline_bubble"))
         + f"; total {t['total']:.2f} (sync {100 * t['sync_share']:.1f}%) at assumed MFU {t['assumed_mfu']:g}, generation "
         f"{t['assumed_gen_mfu']:g}, pipeline bubble {100 * t['pipeline_bubble']:.1f}%",

@@ -39,7 +39,7 @@ class FakeStream:
     def __init__(self):
         self.plan = SimpleNamespace(planned_recv_bytes=[0] * 4, needed_bytes=[0] * 4, min_recv_bytes=[0] * 4)
         self.pushed = 0
-        self.last_stats = SimpleNamespace(bytes_received=8, payload_received=8)
+        self.last_stats = SimpleNamespace(bytes_received=8, payload_received=8, full_bytes_received=8, changed_fraction=1.0)
 
     def stream(self):
         self.pushed += 1

@@ -284,3 +284,25 @@ def test_published_long_context_layout_is_planned():
                    optimizer_offload="cpu")
     report = plan(arch_from_config(DEEPSEEK_V3), lay, run, Cluster(128, 8, GPUS["h100-80gb"]))
     assert report["fits"], report["problems"]
+
+
+def test_delta_weight_sync_in_the_planner():
+    """rollout.weight_sync.mode=delta: bytes x the wire share of the changed fraction (bf16: indices
+    6k bytes below 1/32 changed, bitmask 1/16 + 2k above), and the copy in both memory phases."""
+    from megarl.capacity import Cluster, Layout, RunShape, arch_from_config, plan
+    from megarl.capacity.hardware import GPUS
+    from megarl.layout.sync_cost import delta_wire_fraction
+    from hf_configs import QWEN25_7B
+
+    assert delta_wire_fraction(0.01) == pytest.approx(0.03) and delta_wire_fraction(0.2) == pytest.approx(0.2625)
+    assert delta_wire_fraction(0.99) == 1.0
+    arch, lay, cluster = arch_from_config(QWEN25_7B), Layout(tp=2, rollout_tp=1), Cluster(8, 8, GPUS["h100-80gb"])
+    full, delta = (plan(arch, lay, RunShape(weight_sync=mode, delta_changed_fraction=0.2), cluster) for mode in ("full", "delta"))
+    moved = full["sync"]["megarl_bytes_per_gpu"]
+    assert full["sync"]["bytes_per_sync_per_gpu"] == moved and full["sync"]["weight_sync_copy_bytes_per_gpu"] == 0
+    assert delta["sync"]["bytes_per_sync_per_gpu"] == pytest.approx(0.2625 * moved)
+    assert delta["sync"]["seconds"] == pytest.approx(0.2625 * full["sync"]["seconds"])
+    copy_gib = 2 * moved / 2**30
+    for phase in ("training", "rollout"):
+        grew = delta["memory_gib"][phase]["total"] - full["memory_gib"][phase]["total"]
+        assert grew == pytest.approx(copy_gib, abs=1e-5)

@@ -111,3 +111,19 @@ def test_launch_refuses_with_one_line_and_exit_2(tmp_path):
     assert len(lines) == 1 and "the colocated vllm engine would not fit" in lines[0], proc.stderr
     assert "set actor.grad_offload=true actor.optimizer_offload=true" in lines[0]
     assert not (tmp_path / "run").exists()  # stopped before anything was built
+
+
+def test_delta_weight_sync_counts_its_copy(tmp_path):
+    # train tp2 -> rollout tp1: each GPU receives the other half of every tp-split tensor and sends
+    # its own, and delta keeps both (about the bf16 model: 2 x 7.6e9 / 2 x 2 bytes); full keeps none
+    from megarl.capacity import Cluster, Layout, RunShape, arch_from_config, plan
+    from megarl.capacity.hardware import GPUS
+
+    model = model_dir(tmp_path, QWEN25_7B)
+    full, delta = (estimate(run_config(model, "parallel.tp=2", "rollout.tp=1", f"rollout.weight_sync.mode={mode}"), 8, H200)
+                   for mode in ("full", "delta"))
+    report = plan(arch_from_config(QWEN25_7B), Layout(tp=2, rollout_tp=1), RunShape(weight_sync="delta"), Cluster(8, 8, GPUS["h200-141gb"]))
+    assert full.weight_sync_copy == 0 and delta.total - full.total == delta.weight_sync_copy
+    assert delta.weight_sync_copy == pytest.approx(2 * report["sync"]["megarl_bytes_per_gpu"])
+    assert delta.weight_sync_copy / 2**30 == pytest.approx(report["memory_gib"]["rollout"]["weight_sync_copy"], abs=1e-6)
+    assert 1.0e9 * 2 * 2 < delta.weight_sync_copy < 7.7e9 * 2

@@ -70,9 +70,12 @@ def test_same_run_under_every_layout(tmp_path_factory, nproc, tp, pp, cp, single
     # cp2 x tp2 also saves after each step: its step-1 checkpoint resumes at dp2 below.
     resume_at_dp2 = (tp, cp) == (2, 2)
     save = {"trainer.save_every_steps": 1} if resume_at_dp2 else {}
+    # tp2 -> rollout tp1 moves half the model: the tp2 run syncs by delta (rollout.weight_sync), which
+    # must log what one process logs as every other layout does (it loads the same weights)
+    delta = {"rollout.weight_sync.mode": "delta"} if (nproc, tp, pp, cp) == (2, 2, 1, 1) else {}
     proc = launch_ok(nproc, small_run_overrides(root, run_dir, **{"trainer.total_steps": 2, "parallel.tp": tp, "parallel.pp": pp,
                                                                                      "parallel.cp": cp},
-                                                **offload, **save, **CORRECTION))
+                                                **offload, **save, **CORRECTION, **delta))
     # tp2 runs with sequence parallelism, the default at tp > 1 (the critic's value head on the SP
     # shard), under context parallelism too (cp2 x tp2: the SP shard of each CP rank's tokens)
     assert (f"tp={tp} sp " in proc.stdout) == (tp > 1), proc.stdout
@@ -82,6 +85,14 @@ def test_same_run_under_every_layout(tmp_path_factory, nproc, tp, pp, cp, single
         assert abs(step["rollout_corr/kl"]) < 1e-5 and step["rollout_corr/k3_kl"] < 1e-8
         assert step["rollout_corr/rollout_is_mean"] == pytest.approx(1.0, abs=1e-4)
         assert step["rollout_corr/rollout_is_ratio_fraction_high"] == 0.0
+    if delta:
+        first, second = read_metrics(run_dir)
+        assert first["training/hybrid_sync_changed_fraction"] == 1.0  # the first sync is full, plus a header per segment
+        assert 0 < first["training/hybrid_sync_full_bytes"] < first["training/hybrid_sync_bytes"] < first["training/hybrid_sync_full_bytes"] + 24 * 64
+        # fp32 rollout: AdamW moves nearly every element, so most segments go whole, never more than that
+        assert 0 < second["training/hybrid_sync_changed_fraction"] <= 1.0
+        assert second["training/hybrid_sync_bytes"] < second["training/hybrid_sync_full_bytes"] + 24 * 64
+        assert second["memory/weight_sync_copy_bytes"] == first["memory/weight_sync_copy_bytes"] > 0
     if resume_at_dp2:
         # A checkpoint written at cp2 x tp2 resumes at dp2 (2 processes, no tp, no cp; a fresh run
         # directory, so there is no earlier segment whose layout it would change): its step 2 logs
@@ -154,11 +165,15 @@ def test_separate_placement_at_k0_logs_what_colocated_logs(tmp_path_factory, sin
     root = single_process_run.parent
     run_dir = tmp_path_factory.mktemp("separate") / "k0"
     # (the one-process run trains with TIS under top_p: the same here, the ratio from the rollout rank's log-probs)
-    launch_ok(2, small_run_overrides(root, run_dir, **{"trainer.total_steps": 2}, **SEPARATE, **CORRECTION))
+    # the weights go by delta (rollout.weight_sync): the same metrics, and the full bound beside the bytes
+    launch_ok(2, small_run_overrides(root, run_dir, **{"trainer.total_steps": 2, "rollout.weight_sync.mode": "delta"},
+                                     **SEPARATE, **CORRECTION))
     single, separate = read_metrics(single_process_run), read_metrics(run_dir)
     assert len(single) == len(separate) == 2
     _assert_close(single, separate, rel=1e-3)
     for row in separate:
         assert row["async/staleness_max"] == 0 and row["async/dropped_stale"] == 0
-        shard, received = row["async/rollout_shard_bytes"], row["async/rollout_sync_bytes"]
-        assert shard > 0 and 0 <= received - shard < 8 * 64, (shard, received)  # alignment padding only
+        shard, full = row["async/rollout_shard_bytes"], row["async/rollout_sync_full_bytes"]
+        assert shard > 0 and 0 <= full - shard < 8 * 64, (shard, full)  # alignment padding only
+        assert 0 < row["async/rollout_sync_bytes"] < full + 24 * 64 and 0 < row["async/rollout_sync_changed_fraction"] <= 1.0
+    assert separate[0]["async/rollout_sync_changed_fraction"] == 1.0  # the first stream is full

@@ -41,6 +41,9 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--tmp", required=True)
     p.add_argument("--corrupt", action="store_true")
+    p.add_argument("--weight-sync", choices=("full", "delta"), default="full",
+                   help="delta: a full sync first, then the actor moves (a small step on a tenth of the elements) and "
+                        "the synced weights go by delta (rollout.weight_sync.mode=delta)")
     args = p.parse_args()
     os.environ["HF_HUB_OFFLINE"] = "1"
     results, setup = [], None
@@ -59,13 +62,20 @@ def main() -> None:
         if actor.spec.tie_embeddings:
             shards.pop("output_layer.weight", None)
         hybrid = HybridEngine(shards, train=TrainLayout(tp=tp, pp=pp, dp=dims.dp), rollout=setup.weight_layout,
-                              bucket_bytes=1 << 16, convert=setup.convert)
+                              bucket_bytes=1 << 16, convert=setup.convert, mode=args.weight_sync)
         corrupted = None
         if args.corrupt and i == 0:  # one rank's shard of one layer scaled: the sync check must see it
             hybrid.convert = _corrupting(setup.convert, rank=dims.world_size - 1)
             hybrid.sync(setup.engine, shards)
             corrupted = _greedy(setup.engine)
             hybrid.convert = setup.convert
+        if args.weight_sync == "delta":
+            hybrid.sync(setup.engine, shards)  # the full one
+            with torch.no_grad():  # a PPO-sized step on the live parameters: the export below sees it
+                for name, (shard, meta) in shards.items():
+                    g = torch.Generator().manual_seed(zlib.crc32(name.encode()) + 31 + i)
+                    moved = meta.slice_of_full(torch.rand(meta.full_shape, generator=g) < 0.1)
+                    shard.add_(moved * 1e-3)
         stats = hybrid.sync(setup.engine, shards)
         # every rank of an engine instance makes the same calls with the same prompts (lockstep)
         outs = setup.engine.generate([RolloutRequest(tuple(ids), k) for k, ids in enumerate(PROMPTS)], GREEDY)
@@ -73,7 +83,9 @@ def main() -> None:
         save_hf_checkpoint(actor.module, actor.spec, dims, export_dir, args.model)
         dist.barrier()
         mine = dict(tokens=[o.response_token_ids for o in outs], logprobs=[o.logprobs for o in outs], corrupted=corrupted,
-                    bytes_received=stats.bytes_received, bound_bytes=hybrid.plan.min_recv_bytes[dims.rank],
+                    bytes_received=stats.full_bytes_received if args.weight_sync == "delta" else stats.bytes_received,
+                    delta_bytes=stats.bytes_received, went_as_delta=not stats.full,
+                    changed_fraction=stats.changed_fraction, bound_bytes=hybrid.plan.min_recv_bytes[dims.rank],
                     needed_bytes=hybrid.plan.needed_bytes[dims.rank], vllm_shard_bytes=vllm_shard_bytes(setup.engine))
         gathered = [None] * dims.world_size
         dist.all_gather_object(gathered, mine)
