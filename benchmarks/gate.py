@@ -1,0 +1,263 @@
+"""The paired regression gate (`make bench-check`, `python benchmarks/suite.py check --base REV`).
+
+The candidate (this working tree, uncommitted changes included) and a base revision (default: the merge base
+with main, or the last `bench-baseline*` tag when there is no main) run the same PPO demo in two checkouts with
+one Python environment: the base is exported with `git archive` into a temp directory, and both run under the
+candidate's probe (benchmarks/_ppo_probe.py --code-root), so the instrument is the same. Each side is one
+long-lived process that runs a step only when told to; round by round the gate runs one step of each, the
+order alternating (base first in even rounds, candidate first in odd ones), never both at once. Each phase's
+wall time is the gated figure (CPU seconds beside it as a diagnostic); gate_stats.judge gives the verdict,
+and a failure names the phase, the slowdown, its interval and the commit range.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import gate_stats
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE = REPO / "benchmarks" / "_ppo_probe.py"
+DEFAULT_CONFIG = "configs/tiny_cpu.yaml"
+DEFAULT_WARMUP = 2
+DEFAULT_ROUNDS = 20
+STEP_TIMEOUT_S = 600.0  # a side that says nothing for this long is stuck
+
+
+class GateError(Exception):
+    """A reason the gate cannot measure (exit 2), said in one line."""
+
+
+def _git(*args: str, repo: Path = REPO) -> str:
+    proc = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True)
+    if proc.returncode:
+        raise GateError(f"git {' '.join(args)}: {proc.stderr.strip() or 'failed'}")
+    return proc.stdout.strip()
+
+
+def resolve_base(rev: str | None, repo: Path = REPO) -> str:
+    """The base commit's full hash: `rev`, else the merge base of HEAD with main (or origin/main), else the
+    newest `bench-baseline*` tag reachable from HEAD."""
+    try:
+        _git("rev-parse", "--git-dir", repo=repo)
+    except GateError:
+        raise GateError(f"{repo} is not a git checkout: the gate needs the history to measure a base revision; "
+                        "run it in a clone (or compare the stored record: python benchmarks/suite.py compare-record)")
+    if rev:
+        try:
+            return _git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}", repo=repo)
+        except GateError:
+            raise GateError(f"--base {rev!r} is not a commit of this repository; pass a branch, tag or hash (e.g. --base main)")
+    for branch in ("main", "origin/main"):
+        try:
+            return _git("merge-base", "HEAD", branch, repo=repo)
+        except GateError:
+            continue
+    try:
+        tag = _git("describe", "--tags", "--abbrev=0", "--match", "bench-baseline*", "HEAD", repo=repo)
+        return _git("rev-parse", f"{tag}^{{commit}}", repo=repo)
+    except GateError:
+        raise GateError("no base revision: no branch 'main' to take the merge base with and no 'bench-baseline*' tag; "
+                        "pass --base REV (e.g. --base HEAD~1)")
+
+
+def commit_range(base: str, repo: Path = REPO) -> str:
+    """'<base>..<HEAD>', with '(+ uncommitted changes)' when the working tree differs from HEAD."""
+    head = _git("rev-parse", "HEAD", repo=repo)
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no", repo=repo))
+    return f"{base[:10]}..{head[:10]}" + (" (+ uncommitted changes)" if dirty else "")
+
+
+def export_checkout(sha: str, dest: Path, repo: Path = REPO) -> Path:
+    """The tracked files of commit `sha` under dest (git archive: no worktree bookkeeping to clean up)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    archive = dest.parent / f"{dest.name}.tar"
+    _git("archive", "--format=tar", "-o", str(archive), sha, repo=repo)
+    with tarfile.open(archive) as tar:
+        tar.extractall(dest)
+    archive.unlink()
+    return dest
+
+
+class _Lines:
+    """Whole lines from a pipe, with a timeout (os.read: no hidden buffer for select to miss)."""
+
+    def __init__(self, fd: int):
+        self.fd, self.buffer = fd, b""
+
+    def next(self, timeout_s: float) -> str | None:
+        """The next line, or None at end of file."""
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.fd], [], [], left)[0]:
+                raise TimeoutError
+            chunk = os.read(self.fd, 65536)
+            if not chunk:
+                return None
+            self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line.decode()
+
+
+class Side:
+    """One checkout's PPO process under the probe, stepped by the gate."""
+
+    def __init__(self, name: str, root: Path, log: Path):
+        self.name, self.root, self.log = name, root, log
+        self.proc: subprocess.Popen | None = None
+        self.wall: list[dict[str, float]] = []
+        self.cpu: list[dict[str, float]] = []
+
+    def start(self, config: str, overrides: list[str], env: dict) -> None:
+        control_r, self._control_w = os.pipe()
+        report_r, report_w = os.pipe()
+        env = {**env, "PYTHONPATH": str(self.root), "MEGARL_BENCH_GATE_FDS": f"{control_r},{report_w}"}
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, str(PROBE), "--code-root", str(self.root), "--config", config,
+                                          *overrides], cwd=self.root, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         pass_fds=(control_r, report_w))
+        os.close(control_r)
+        os.close(report_w)
+        self.lines = _Lines(report_r)
+        self._expect("ready", "before its first step")
+
+    def _expect(self, event: str, when: str) -> dict | None:
+        try:
+            line = self.lines.next(STEP_TIMEOUT_S)
+        except TimeoutError:
+            raise GateError(f"the {self.name} side said nothing for {STEP_TIMEOUT_S:.0f} s {when}; its log: {self.log}")
+        if line is None:
+            code = self.proc.wait(timeout=STEP_TIMEOUT_S)
+            if event == "ready" and when == "after its last step" and code == 0:
+                return None
+            tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-15:])
+            raise GateError(f"the {self.name} side ({self.root}) stopped {when} (exit {code}); its log {self.log} ends:\n{tail}")
+        message = json.loads(line)
+        if message.get("event") != event:
+            raise GateError(f"the {self.name} side sent {message.get('event')!r} where {event!r} was due ({when})")
+        return message
+
+    def step(self, last: bool, record: bool) -> None:
+        """Run one PPO step and wait until the process is idle again (ready for the next, or exited)."""
+        os.write(self._control_w, b"go\n")
+        report = self._expect("step", "during a step")
+        if record:
+            self.wall.append(report["wall_s"])
+            self.cpu.append(report["cpu_s"])
+        self._expect("ready", "after its last step" if last else "between steps")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def run_overrides(run_dir: Path, steps: int, extra: list[str]) -> list[str]:
+    """The demo as the gate runs it: `steps` steps, no saving, no validation, the suite's data and model."""
+    bench = REPO / "runs" / "bench"
+    return [f"trainer.run_dir={run_dir}", f"trainer.total_steps={steps}", "trainer.save_every_steps=0",
+            f"trainer.val_every_steps={steps + 1}", "trainer.resume=never", "tracking.progress_bar=false",
+            "tracking.mlflow=false", f"model.path={bench / 'tiny-llama-digits'}",
+            f"data.train_files=[{bench / 'arithmetic' / 'train.parquet'}]",
+            f"data.val_files=[{bench / 'arithmetic' / 'test.parquet'}]", *extra]
+
+
+def run_paired(base_root: Path, work: Path, config: str, extra: list[str], warmup: int, rounds: int,
+               inject: str | None) -> tuple[Side, Side]:
+    """Both sides' per-round phase times; `inject` (MEGARL_BENCH_INJECT) goes to the candidate only."""
+    env = {k: v for k, v in os.environ.items() if k != "MEGARL_BENCH_INJECT"}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
+    steps = warmup + rounds
+    base, candidate = Side("base", base_root, work / "base.log"), Side("candidate", REPO, work / "candidate.log")
+    try:
+        # One at a time: the model is made on first use, and setup should not compete with setup.
+        base.start(config, run_overrides(work / "base_run", steps, extra), env)
+        candidate.start(config, run_overrides(work / "candidate_run", steps, extra),
+                        {**env, **({"MEGARL_BENCH_INJECT": inject} if inject else {})})
+        for i in range(steps):
+            for side in ((base, candidate) if i % 2 == 0 else (candidate, base)):
+                side.step(last=i == steps - 1, record=i >= warmup)
+    finally:
+        base.stop()
+        candidate.stop()
+    return base, candidate
+
+
+def verdicts(base: Side, candidate: Side, tolerance: float, confidence: float,
+             min_seconds: float) -> tuple[list[gate_stats.PhaseVerdict], list[str]]:
+    """A verdict per phase both sides ran in every round; and the phases only one side ran."""
+    def phases(side: Side) -> set[str]:
+        return set.intersection(*(set(r) for r in side.wall))
+
+    both = phases(base) & phases(candidate)
+    order = list(base.wall[0])  # the step's order, then 'step'
+    out = [gate_stats.judge(ph, [r[ph] for r in base.wall], [r[ph] for r in candidate.wall], tolerance, confidence, min_seconds,
+                            [r[ph] for r in base.cpu], [r[ph] for r in candidate.cpu])
+           for ph in sorted(both, key=lambda p: (p == "step", order.index(p) if p in order else 0))]
+    return out, sorted(phases(base) ^ phases(candidate))
+
+
+def check(base_rev: str | None, rounds: int, warmup: int, config: str, extra: list[str], tolerance: float,
+          confidence: float, min_seconds: float, out: Path) -> int:
+    """The gate: 0 passed, 1 a phase regressed, 2 it could not measure (one line says why)."""
+    inject = os.environ.get("MEGARL_BENCH_INJECT")
+    if rounds < 3 or warmup < 0:
+        print(f"error: --rounds {rounds} / --warmup {warmup}: need at least 3 rounds (the interval needs a spread) "
+              "and no negative warm-up", file=sys.stderr)
+        return 2
+    try:
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        from _ppo_probe import parse_injections
+
+        parse_injections(inject)
+        base_sha = resolve_base(base_rev)
+        commits = commit_range(base_sha)
+        if not (REPO / config).is_file():
+            raise GateError(f"--config {config}: no such file under {REPO}")
+        started, load_before = time.monotonic(), os.getloadavg()
+        with tempfile.TemporaryDirectory(prefix="megarl-bench-check-") as tmp:
+            work = Path(tmp)
+            base_root = export_checkout(base_sha, work / "base")
+            print(f"bench-check: {commits}: {warmup} warm-up + {rounds} paired rounds of {config}"
+                  f"{' ' + ' '.join(extra) if extra else ''}{f' (candidate injected: {inject})' if inject else ''}", flush=True)
+            try:
+                base, candidate = run_paired(base_root, work, str(REPO / config), extra, warmup, rounds, inject)
+            except GateError:
+                for log in ("base.log", "candidate.log"):  # the temp dir goes: keep the logs
+                    if (work / log).is_file():
+                        out.parent.mkdir(parents=True, exist_ok=True)
+                        (out.parent / f"check-{log}").write_text((work / log).read_text(errors="replace"))
+                raise
+    except (GateError, ValueError) as e:
+        print(f"error: bench-check: {e}", file=sys.stderr)
+        return 2
+    seconds = time.monotonic() - started
+    results, one_sided = verdicts(base, candidate, tolerance, confidence, min_seconds)
+    print(f"{'':>10}  {'phase':<14} wall: candidate vs base, median over rounds, ratio [{confidence:.0%} interval]; cpu: diagnostic")
+    for v in results:
+        print(v.line())
+    for phase in one_sided:
+        print(f"{'not gated':>10}  {phase:<14} run by one side only (a phase added or removed)")
+    failures = [v.failure(rounds, commits, confidence) for v in results if v.regressed]
+    for f in failures:
+        print(f"REGRESSION: {f}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "base": base_sha, "commits": commits, "config": config, "overrides": extra, "warmup": warmup, "rounds": rounds,
+        "injected_into_candidate": inject, "tolerance": tolerance, "confidence": confidence, "gate_seconds": seconds,
+        "load_average_1_5_15": {"before": list(load_before), "after": list(os.getloadavg())},
+        "verdicts": [asdict(v) for v in results],
+        "samples": {"base": {"wall_s": base.wall, "cpu_s": base.cpu}, "candidate": {"wall_s": candidate.wall, "cpu_s": candidate.cpu}},
+    }, indent=1) + "\n")
+    print(f"bench-check: {'FAILED' if failures else 'passed'} ({seconds:.0f} s, load average {os.getloadavg()[0]:.1f}; "
+          f"samples in {out})")
+    return 1 if failures else 0
