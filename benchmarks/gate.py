@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 PROBE = REPO / "benchmarks" / "_ppo_probe.py"
 DEFAULT_CONFIG = "configs/tiny_cpu.yaml"
 DEFAULT_WARMUP = 2
-DEFAULT_ROUNDS = 20
+DEFAULT_ROUNDS = 30
 STEP_TIMEOUT_S = 600.0  # a side that says nothing for this long is stuck
 
 
