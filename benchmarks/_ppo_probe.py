@@ -32,8 +32,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from phase_clock import clock_for_this_machine  # noqa: E402
@@ -65,6 +63,8 @@ def calibration_cpu_seconds(repeats: int = 3) -> float:
     kind suffers the same cache and core-sharing slowdowns from the neighbours, so the ratio to
     it holds still where a generic calibration did not (a matmul/Python mix moved 0.73x between
     two runs while the phases moved 0.87x)."""
+    import torch  # here: the gate imports this module for parse_injections, torch-free
+
     torch.manual_seed(0)
     net = torch.nn.Sequential(*[m for _ in range(2) for m in (torch.nn.Linear(64, 256), torch.nn.SiLU(), torch.nn.Linear(256, 64))])
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)

@@ -207,8 +207,9 @@ def verdicts(base: Side, candidate: Side, tolerance: float, confidence: float,
 
 
 def check(base_rev: str | None, rounds: int, warmup: int, config: str, extra: list[str], tolerance: float,
-          confidence: float, min_seconds: float, out: Path) -> int:
-    """The gate: 0 passed, 1 a phase regressed, 2 it could not measure (one line says why)."""
+          confidence: float, min_seconds: float, out: Path, prepare=lambda: None) -> int:
+    """The gate: 0 passed, 1 a phase regressed, 2 it could not measure (one line says why). `prepare` writes
+    the run's data when missing, once the arguments are known to be good."""
     inject = os.environ.get("MEGARL_BENCH_INJECT")
     if rounds < 3 or warmup < 0:
         print(f"error: --rounds {rounds} / --warmup {warmup}: need at least 3 rounds (the interval needs a spread) "
@@ -223,6 +224,7 @@ def check(base_rev: str | None, rounds: int, warmup: int, config: str, extra: li
         commits = commit_range(base_sha)
         if not (REPO / config).is_file():
             raise GateError(f"--config {config}: no such file under {REPO}")
+        prepare()
         started, load_before = time.monotonic(), os.getloadavg()
         with tempfile.TemporaryDirectory(prefix="megarl-bench-check-") as tmp:
             work = Path(tmp)

@@ -1,13 +1,20 @@
-"""The benchmark suite and its regression gate (`make bench`, `make bench-check`).
+"""The benchmark suite (`make bench`) and its regression gate (`make bench-check`).
 
-    python benchmarks/suite.py run   [--out runs/bench/suite.json]       # measure (a few minutes, 2 cores)
-    python benchmarks/suite.py check [--results runs/bench/suite.json]   # compare with the baseline
-    python benchmarks/suite.py baseline                                   # refresh this machine kind's baseline
-    (run and baseline take --only ppo,sync,packing,trl: measure some parts; check skips the others,
+    python benchmarks/suite.py check [--base REV] [--rounds 30] [--set key=value ...]  # the gate (benchmarks/gate.py)
+    python benchmarks/suite.py run   [--out runs/bench/suite.json]       # record the figures below (a few minutes, 2 cores)
+    python benchmarks/suite.py compare-record [--results runs/bench/suite.json]   # against the stored record
+    python benchmarks/suite.py baseline                                   # refresh this machine kind's record
+    (run and baseline take --only ppo,sync,packing,trl: measure some parts; compare-record skips the others,
     baseline keeps the others' figures)
 
-Every figure is a ratio taken inside one run, so a slower or busier machine does not read as a
-regression:
+The gate, `check`: this working tree and a base revision (default: the merge base with main) run the PPO
+demo in the same run, interleaved step by step; each phase's wall time is compared with a paired bootstrap
+interval (benchmarks/gate_stats.py), and a phase more than 10% slower with the interval's lower end above 1
+fails, named with its slowdown, interval and commit range. Nothing stored is compared.
+
+The record, `run` (stored per machine kind in benchmarks/baselines/<kind>/suite.json by `baseline`, a record
+of machines and dates, not a gate; `compare-record` prints a run against it): every figure is a ratio taken
+inside one run:
 - `sync/megarl_over_naive`: weight-sync CPU seconds (busiest rank) of megarl's 3D-HybridEngine over
   the naive per-tensor all-gather, alternated in one torchrun (benchmarks/reshard.py, train tp2 ->
   rollout tp1);
@@ -23,9 +30,8 @@ regression:
   x mini-batches): the fixed cost per optimizer step;
 - `vs_trl/megarl_over_trl`: megarl's median GRPO-step CPU seconds over TRL's GRPOTrainer's on the same
   work, alternated (benchmarks/vs_trl.py; TRL in runs/trl-venv, made on first use; BENCH_TRL=0 skips it).
-Lower is better for all. `check` flags a gated figure more than --tolerance (15%; the sync figure
-carries 30%, its measured noise) above the baseline, naming it, and exits 1; phases under 5% of the step are reported but not gated (too
-short to time on a shared machine). Baselines: benchmarks/baselines/<machine kind>/suite.json.
+Lower is better for all. `compare-record` lists each figure more than --tolerance (15%; the sync figure
+carries 30%, its measured noise) above the record; it exits 0 (2 when a file is missing).
 """
 from __future__ import annotations
 
@@ -112,12 +118,12 @@ def prepare_bench_data() -> None:
     The launch cannot write it: `data.auto_prepare` writes only the config file's own paths, never a
     path given on the command line (a typo there must not train on synthetic data).
     """
+    if (BENCH_DATA / "train.parquet").is_file() and (BENCH_DATA / "test.parquet").is_file():
+        return
     import yaml
 
     from megarl.data.prepare import prepare_arithmetic
 
-    if (BENCH_DATA / "train.parquet").is_file() and (BENCH_DATA / "test.parquet").is_file():
-        return
     a = yaml.safe_load((REPO / "configs" / "tiny_cpu.yaml").read_text())["data"]["arithmetic"]
     prepare_arithmetic(BENCH_DATA, a["kind"], a["num_digits"], a["train_size"], a["val_size"])
 
@@ -313,9 +319,8 @@ def main(argv=None) -> int:
         print(f"wrote {out}; commit it with a message saying why the baseline moved")
         return 0
     if args.cmd == "check":
-        prepare_bench_data()
         return gate.check(args.base, args.rounds, args.warmup, args.config, args.set, args.tolerance, args.confidence,
-                          args.min_seconds, args.out)
+                          args.min_seconds, args.out, prepare=prepare_bench_data)
     return compare_record(args.results, args.baseline, args.tolerance)
 
 
