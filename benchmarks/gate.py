@@ -156,7 +156,16 @@ class Side:
         self._expect("ready", "after its last step" if last else "between steps")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        """End the process: a closed control pipe makes it leave before its next step; killed if it lingers."""
+        if self.proc is None:
+            return
+        try:
+            os.close(self._control_w)
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
 
@@ -171,21 +180,31 @@ def run_overrides(run_dir: Path, steps: int, extra: list[str]) -> list[str]:
             f"data.val_files=[{bench / 'arithmetic' / 'test.parquet'}]", *extra]
 
 
-def run_paired(base_root: Path, work: Path, config: str, extra: list[str], warmup: int, rounds: int,
-               inject: str | None) -> tuple[Side, Side]:
-    """Both sides' per-round phase times; `inject` (MEGARL_BENCH_INJECT) goes to the candidate only."""
+def run_paired(base_root: Path, work: Path, config: str, extra: list[str], warmup: int, rounds: int, max_rounds: int,
+               inject: str | None, enough) -> tuple[Side, Side]:
+    """Both sides' per-round phase times: `rounds` rounds, then `rounds` more at a time while
+    `enough(base, candidate)` is false, up to max_rounds. `inject` (MEGARL_BENCH_INJECT) goes to the candidate only."""
     env = {k: v for k, v in os.environ.items() if k != "MEGARL_BENCH_INJECT"}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
-    steps = warmup + rounds
+    steps, done = warmup + max_rounds, 0
     base, candidate = Side("base", base_root, work / "base.log"), Side("candidate", REPO, work / "candidate.log")
     try:
         # One at a time: the model is made on first use, and setup should not compete with setup.
         base.start(config, run_overrides(work / "base_run", steps, extra), env)
         candidate.start(config, run_overrides(work / "candidate_run", steps, extra),
                         {**env, **({"MEGARL_BENCH_INJECT": inject} if inject else {})})
-        for i in range(steps):
-            for side in ((base, candidate) if i % 2 == 0 else (candidate, base)):
-                side.step(last=i == steps - 1, record=i >= warmup)
+
+        def run(n: int, record: bool) -> None:
+            nonlocal done
+            for i in range(done, done + n):
+                for side in ((base, candidate) if i % 2 == 0 else (candidate, base)):
+                    side.step(last=i == steps - 1, record=record)
+            done += n
+
+        run(warmup, record=False)
+        run(rounds, record=True)
+        while done < steps and not enough(base, candidate):
+            run(min(rounds, steps - done), record=True)
     finally:
         base.stop()
         candidate.stop()
@@ -206,33 +225,45 @@ def verdicts(base: Side, candidate: Side, tolerance: float, confidence: float,
     return out, sorted(phases(base) ^ phases(candidate))
 
 
-def check(base_rev: str | None, rounds: int, warmup: int, config: str, extra: list[str], tolerance: float,
-          confidence: float, min_seconds: float, out: Path, prepare=lambda: None) -> int:
+def check(base_rev: str | None, rounds: int, max_rounds: int, warmup: int, config: str, extra: list[str], tolerance: float,
+          confidence: float, min_seconds: float, out: Path, prepare=lambda: None, base_dir: Path | None = None) -> int:
     """The gate: 0 passed, 1 a phase regressed, 2 it could not measure (one line says why). `prepare` writes
-    the run's data when missing, once the arguments are known to be good."""
+    the run's data when missing, once the arguments are known to be good. `base_dir`: a base checkout
+    exported beforehand (`git archive REV | tar -x -C DIR`), for a machine without the history (the GPU one)."""
     inject = os.environ.get("MEGARL_BENCH_INJECT")
-    if rounds < 3 or warmup < 0:
-        print(f"error: --rounds {rounds} / --warmup {warmup}: need at least 3 rounds (the interval needs a spread) "
-              "and no negative warm-up", file=sys.stderr)
+    if rounds < 3 or warmup < 0 or max_rounds < rounds:
+        print(f"error: --rounds {rounds} / --max-rounds {max_rounds} / --warmup {warmup}: need at least 3 rounds (the "
+              "interval needs a spread), --max-rounds at least --rounds, and no negative warm-up", file=sys.stderr)
         return 2
     try:
         sys.path.insert(0, str(REPO / "benchmarks"))
         from _ppo_probe import parse_injections
 
         parse_injections(inject)
-        base_sha = resolve_base(base_rev)
-        commits = commit_range(base_sha)
+        if base_dir is not None:
+            if base_rev:
+                raise GateError("--base and --base-dir name two bases: give one")
+            if not (base_dir / "launch" / "ppo.py").is_file() or not (base_dir / "megarl").is_dir():
+                raise GateError(f"--base-dir {base_dir}: not a megarl checkout (no launch/ppo.py and megarl/ in it)")
+            base_sha, commits = None, f"{base_dir}..(this tree)"
+        else:
+            base_sha = resolve_base(base_rev)
+            commits = commit_range(base_sha)
         if not (REPO / config).is_file():
             raise GateError(f"--config {config}: no such file under {REPO}")
         prepare()
         started, load_before = time.monotonic(), os.getloadavg()
         with tempfile.TemporaryDirectory(prefix="megarl-bench-check-") as tmp:
             work = Path(tmp)
-            base_root = export_checkout(base_sha, work / "base")
-            print(f"bench-check: {commits}: {warmup} warm-up + {rounds} paired rounds of {config}"
+            base_root = base_dir.resolve() if base_dir is not None else export_checkout(base_sha, work / "base")
+            print(f"bench-check: {commits}: {warmup} warm-up + {rounds} paired rounds (up to {max_rounds} while a phase "
+                  f"is inconclusive) of {config}"
                   f"{' ' + ' '.join(extra) if extra else ''}{f' (candidate injected: {inject})' if inject else ''}", flush=True)
             try:
-                base, candidate = run_paired(base_root, work, str(REPO / config), extra, warmup, rounds, inject)
+                def enough(base: Side, candidate: Side) -> bool:
+                    return not any(v.inconclusive for v in verdicts(base, candidate, tolerance, confidence, min_seconds)[0])
+
+                base, candidate = run_paired(base_root, work, str(REPO / config), extra, warmup, rounds, max_rounds, inject, enough)
             except GateError:
                 for log in ("base.log", "candidate.log"):  # the temp dir goes: keep the logs
                     if (work / log).is_file():
@@ -244,22 +275,27 @@ def check(base_rev: str | None, rounds: int, warmup: int, config: str, extra: li
         return 2
     seconds = time.monotonic() - started
     results, one_sided = verdicts(base, candidate, tolerance, confidence, min_seconds)
-    print(f"{'':>10}  {'phase':<14} wall: candidate vs base, median over rounds, ratio [{confidence:.0%} interval]; cpu: diagnostic")
+    print(f"{'':>12}  {'phase':<14} wall: candidate vs base, median over rounds, ratio [{confidence:.0%} interval]; cpu: diagnostic")
     for v in results:
         print(v.line())
     for phase in one_sided:
-        print(f"{'not gated':>10}  {phase:<14} run by one side only (a phase added or removed)")
-    failures = [v.failure(rounds, commits, confidence) for v in results if v.regressed]
+        print(f"{'not gated':>12}  {phase:<14} run by one side only (a phase added or removed)")
+    measured = len(base.wall)
+    failures = [v.failure(measured, commits, confidence) for v in results if v.regressed]
     for f in failures:
         print(f"REGRESSION: {f}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "base": base_sha, "commits": commits, "config": config, "overrides": extra, "warmup": warmup, "rounds": rounds,
+        "base": base_sha or str(base_dir), "commits": commits, "config": config, "overrides": extra, "warmup": warmup, "rounds": measured,
         "injected_into_candidate": inject, "tolerance": tolerance, "confidence": confidence, "gate_seconds": seconds,
         "load_average_1_5_15": {"before": list(load_before), "after": list(os.getloadavg())},
         "verdicts": [asdict(v) for v in results],
         "samples": {"base": {"wall_s": base.wall, "cpu_s": base.cpu}, "candidate": {"wall_s": candidate.wall, "cpu_s": candidate.cpu}},
     }, indent=1) + "\n")
-    print(f"bench-check: {'FAILED' if failures else 'passed'} ({seconds:.0f} s, load average {os.getloadavg()[0]:.1f}; "
-          f"samples in {out})")
+    unsure = [v.phase for v in results if v.inconclusive]
+    print(f"bench-check: {'FAILED' if failures else 'passed'} ({measured} rounds, {seconds:.0f} s, load average "
+          f"{os.getloadavg()[0]:.1f}; samples in {out})")
+    if unsure and not failures:
+        print(f"bench-check: inconclusive for {', '.join(unsure)}: after {measured} rounds the interval still reaches above "
+              f"+{tolerance:.0%}, too noisy to rule out a regression; rerun on a quieter machine or with more --max-rounds")
     return 1 if failures else 0

@@ -50,17 +50,19 @@ class PhaseVerdict:
     interval: tuple[float, float]
     gated: bool                # base median >= min_seconds
     regressed: bool
+    inconclusive: bool         # passed, but the interval reaches above 1 + tolerance: too noisy to rule one out
     base_cpu_median_s: float | None = None       # diagnostic only
     candidate_cpu_median_s: float | None = None  # diagnostic only
 
     def line(self) -> str:
         """One row of the report."""
-        verdict = "REGRESSION" if self.regressed else ("ok" if self.gated else "not gated")
+        verdict = ("REGRESSION" if self.regressed else "inconclusive" if self.inconclusive
+                   else "ok" if self.gated else "not gated")
         lo, hi = self.interval
         cpu = ""
         if self.base_cpu_median_s is not None and self.candidate_cpu_median_s is not None:
             cpu = f"  cpu {self.candidate_cpu_median_s:.4f} s vs {self.base_cpu_median_s:.4f} s"
-        return (f"{verdict:>10}  {self.phase:<14} wall {self.candidate_median_s:.4f} s vs {self.base_median_s:.4f} s  "
+        return (f"{verdict:>12}  {self.phase:<14} wall {self.candidate_median_s:.4f} s vs {self.base_median_s:.4f} s  "
                 f"{self.ratio:5.2f}x [{lo:.2f}, {hi:.2f}]{cpu}")
 
     def failure(self, rounds: int, commits: str, confidence: float) -> str:
@@ -78,7 +80,8 @@ def judge(phase: str, base: list[float], candidate: list[float], tolerance: floa
     ratio = ratio_of_medians(base, candidate)
     interval = paired_bootstrap_interval(base, candidate, confidence)
     gated = statistics.median(base) >= min_seconds
-    return PhaseVerdict(phase, statistics.median(base), statistics.median(candidate), ratio, interval, gated,
-                        regressed=gated and ratio > 1 + tolerance and interval[0] > 1.0,
+    regressed = gated and ratio > 1 + tolerance and interval[0] > 1.0
+    return PhaseVerdict(phase, statistics.median(base), statistics.median(candidate), ratio, interval, gated, regressed,
+                        inconclusive=gated and not regressed and interval[1] > 1 + tolerance,
                         base_cpu_median_s=statistics.median(base_cpu) if base_cpu else None,
                         candidate_cpu_median_s=statistics.median(candidate_cpu) if candidate_cpu else None)

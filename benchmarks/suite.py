@@ -273,7 +273,11 @@ def main(argv=None) -> int:
                    "(check then reports the others as skipped)")
     c = sub.add_parser("check", help="the regression gate: the candidate against a base revision, measured in the same run")
     c.add_argument("--base", help="base revision (default: the merge base with main, else the last bench-baseline* tag)")
+    c.add_argument("--base-dir", type=Path, help="a base checkout exported beforehand, where there is no history "
+                   "(git archive REV | tar -x -C DIR)")
     c.add_argument("--rounds", type=int, default=gate.DEFAULT_ROUNDS, help="paired rounds (one step of each side)")
+    c.add_argument("--max-rounds", type=int, help="rounds at most, added --rounds at a time while a phase is "
+                   "inconclusive (its interval reaches above the tolerance); default 3 x --rounds")
     c.add_argument("--warmup", type=int, default=gate.DEFAULT_WARMUP, help="unrecorded rounds first")
     c.add_argument("--config", default=gate.DEFAULT_CONFIG, help="the PPO run measured (relative to the repository)")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override for both sides (repeatable)")
@@ -319,8 +323,9 @@ def main(argv=None) -> int:
         print(f"wrote {out}; commit it with a message saying why the baseline moved")
         return 0
     if args.cmd == "check":
-        return gate.check(args.base, args.rounds, args.warmup, args.config, args.set, args.tolerance, args.confidence,
-                          args.min_seconds, args.out, prepare=prepare_bench_data)
+        return gate.check(args.base, args.rounds, args.max_rounds or 3 * args.rounds, args.warmup, args.config, args.set, args.tolerance, args.confidence,
+                          args.min_seconds, args.out, prepare=prepare_bench_data,
+                          base_dir=args.base_dir)
     return compare_record(args.results, args.baseline, args.tolerance)
 
 

@@ -61,7 +61,8 @@ def test_the_same_code_against_its_own_commit_passes(tmp_path):
     assert proc.returncode == 0 and "bench-check: passed" in proc.stdout, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "check.json").read_text())
     assert {v["phase"] for v in result["verdicts"] if v["gated"]} >= {"sync", "gen", "old_log_prob", "update_actor", "step"}
-    assert len(result["samples"]["base"]["wall_s"]) == len(result["samples"]["candidate"]["wall_s"]) == gate.DEFAULT_ROUNDS
+    rounds = len(result["samples"]["base"]["wall_s"])  # 30, or more where a phase was inconclusive (a loaded machine)
+    assert rounds == len(result["samples"]["candidate"]["wall_s"]) == result["rounds"] and rounds in (30, 60, 90)
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path):

@@ -36,12 +36,16 @@ def test_noise_widens_the_interval_instead_of_raising_a_false_alarm():
     v = gate_stats.judge("gen", base, candidate)
     assert v.ratio == pytest.approx(1.25)  # median of the candidate: (1.25 + 1.25) / 2
     assert v.interval[0] < 1.0 < v.interval[1] and v.gated and not v.regressed
+    # ... and says so: the interval reaches above +10%, so a regression is not ruled out either (the gate then
+    # measures more rounds, and reports the phase as inconclusive if it stays so).
+    assert v.inconclusive and v.line().split()[:2] == ["inconclusive", "gen"]
 
 
 def test_a_certain_slowdown_below_the_tolerance_passes_and_one_above_it_fails():
     base = [0.010, 0.011, 0.012, 0.013, 0.014, 0.020]
     slightly = [1.05 * b for b in base]  # certain (interval [1.05, 1.05]) but under the 10% tolerance
     assert not gate_stats.judge("old_log_prob", base, slightly).regressed
+    assert not gate_stats.judge("old_log_prob", base, slightly).inconclusive  # certainly under 10%
     assert gate_stats.judge("old_log_prob", base, slightly, tolerance=0.04).regressed
     clean = list(base)
     v = gate_stats.judge("old_log_prob", base, clean)
@@ -62,7 +66,7 @@ def test_the_failure_line_names_the_phase_the_slowdown_the_interval_and_the_comm
     assert v.failure(rounds=5, commits="abc1234567..def7654321", confidence=0.95) == (
         "phase 'update_actor' takes 1.25x its base wall time (+25%; 95% interval 1.25x-1.25x; "
         "median 0.0550 s vs 0.0440 s over 5 paired rounds) in abc1234567..def7654321")
-    assert v.line() == ("REGRESSION  update_actor   wall 0.0550 s vs 0.0440 s   1.25x [1.25, 1.25]"
+    assert v.line() == ("  REGRESSION  update_actor   wall 0.0550 s vs 0.0440 s   1.25x [1.25, 1.25]"
                         "  cpu 0.0410 s vs 0.0400 s")
 
 
