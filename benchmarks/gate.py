@@ -23,6 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import gate_stats
+from _ppo_probe import parse_injections
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = REPO / "benchmarks" / "_ppo_probe.py"
@@ -218,11 +219,23 @@ def verdicts(base: Side, candidate: Side, tolerance: float, confidence: float,
         return set.intersection(*(set(r) for r in side.wall))
 
     both = phases(base) & phases(candidate)
-    order = list(base.wall[0])  # the step's order, then 'step'
+    order = list(base.wall[0])  # the phases in the step's order, then 'step' (the probe adds it last)
     out = [gate_stats.judge(ph, [r[ph] for r in base.wall], [r[ph] for r in candidate.wall], tolerance, confidence, min_seconds,
                             [r[ph] for r in base.cpu], [r[ph] for r in candidate.cpu])
-           for ph in sorted(both, key=lambda p: (p == "step", order.index(p) if p in order else 0))]
+           for ph in sorted(both, key=order.index)]
     return out, sorted(phases(base) ^ phases(candidate))
+
+
+def _the_base(base_rev: str | None, base_dir: Path | None) -> tuple[str | None, str]:
+    """(the base commit, or None for a --base-dir checkout; the commit range a failure names)."""
+    if base_dir is None:
+        base_sha = resolve_base(base_rev)
+        return base_sha, commit_range(base_sha)
+    if base_rev:
+        raise GateError("--base and --base-dir name two bases: give one")
+    if not (base_dir / "launch" / "ppo.py").is_file() or not (base_dir / "megarl").is_dir():
+        raise GateError(f"--base-dir {base_dir}: not a megarl checkout (no launch/ppo.py and megarl/ in it)")
+    return None, f"{base_dir}..(this tree)"
 
 
 def check(base_rev: str | None, rounds: int, max_rounds: int, warmup: int, config: str, extra: list[str], tolerance: float,
@@ -236,19 +249,8 @@ def check(base_rev: str | None, rounds: int, max_rounds: int, warmup: int, confi
               "interval needs a spread), --max-rounds at least --rounds, and no negative warm-up", file=sys.stderr)
         return 2
     try:
-        sys.path.insert(0, str(REPO / "benchmarks"))
-        from _ppo_probe import parse_injections
-
         parse_injections(inject)
-        if base_dir is not None:
-            if base_rev:
-                raise GateError("--base and --base-dir name two bases: give one")
-            if not (base_dir / "launch" / "ppo.py").is_file() or not (base_dir / "megarl").is_dir():
-                raise GateError(f"--base-dir {base_dir}: not a megarl checkout (no launch/ppo.py and megarl/ in it)")
-            base_sha, commits = None, f"{base_dir}..(this tree)"
-        else:
-            base_sha = resolve_base(base_rev)
-            commits = commit_range(base_sha)
+        base_sha, commits = _the_base(base_rev, base_dir)
         if not (REPO / config).is_file():
             raise GateError(f"--config {config}: no such file under {REPO}")
         prepare()
@@ -274,6 +276,15 @@ def check(base_rev: str | None, rounds: int, max_rounds: int, warmup: int, confi
         print(f"error: bench-check: {e}", file=sys.stderr)
         return 2
     seconds = time.monotonic() - started
+    record = {"base": base_sha or str(base_dir), "commits": commits, "config": config, "overrides": extra, "warmup": warmup,
+              "injected_into_candidate": inject, "tolerance": tolerance, "confidence": confidence, "gate_seconds": seconds,
+              "load_average_1_5_15": {"before": list(load_before), "after": list(os.getloadavg())}}
+    return report(base, candidate, tolerance, confidence, min_seconds, commits, record, out)
+
+
+def report(base: Side, candidate: Side, tolerance: float, confidence: float, min_seconds: float, commits: str,
+           record: dict, out: Path) -> int:
+    """Print the verdicts (a REGRESSION line per failing phase), write them and the samples to `out`; 1 on a failure."""
     results, one_sided = verdicts(base, candidate, tolerance, confidence, min_seconds)
     print(f"{'':>12}  {'phase':<14} wall: candidate vs base, median over rounds, ratio [{confidence:.0%} interval]; cpu: diagnostic")
     for v in results:
@@ -286,14 +297,11 @@ def check(base_rev: str | None, rounds: int, max_rounds: int, warmup: int, confi
         print(f"REGRESSION: {f}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "base": base_sha or str(base_dir), "commits": commits, "config": config, "overrides": extra, "warmup": warmup, "rounds": measured,
-        "injected_into_candidate": inject, "tolerance": tolerance, "confidence": confidence, "gate_seconds": seconds,
-        "load_average_1_5_15": {"before": list(load_before), "after": list(os.getloadavg())},
-        "verdicts": [asdict(v) for v in results],
+        **record, "rounds": measured, "verdicts": [asdict(v) for v in results],
         "samples": {"base": {"wall_s": base.wall, "cpu_s": base.cpu}, "candidate": {"wall_s": candidate.wall, "cpu_s": candidate.cpu}},
     }, indent=1) + "\n")
     unsure = [v.phase for v in results if v.inconclusive]
-    print(f"bench-check: {'FAILED' if failures else 'passed'} ({measured} rounds, {seconds:.0f} s, load average "
+    print(f"bench-check: {'FAILED' if failures else 'passed'} ({measured} rounds, {record['gate_seconds']:.0f} s, load average "
           f"{os.getloadavg()[0]:.1f}; samples in {out})")
     if unsure and not failures:
         print(f"bench-check: inconclusive for {', '.join(unsure)}: after {measured} rounds the interval still reaches above "

@@ -72,6 +72,9 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     proc = _check(tmp_path, "--base", "HEAD", inject="train_step_stal:0.25")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     assert "'train_step_stal:0.25' is not <name>:<fraction > 0> with name one of train_step_stall, generate_busy, sync_barrier" in proc.stderr
+    proc = _check(tmp_path, "--base-dir", str(tmp_path))  # a machine without the history: the base comes as a checkout
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: bench-check: --base-dir {tmp_path}: not a megarl checkout (no launch/ppo.py and megarl/ in it)"]
 
 
 def _git(repo, *args):
