@@ -96,7 +96,7 @@ def _barrier_and_wait(seconds: float) -> None:
 
 
 def _after_each_call(cls, method: str, extra) -> None:
-    """cls.method now runs `extra(fraction x its own wall time)` after every call."""
+    """cls.method now calls `extra(seconds the call took)` after every call (the injection scales it)."""
     original = getattr(cls, method)
 
     def wrapped(self, *args, **kwargs):
