@@ -21,8 +21,9 @@ from conftest import REPO
 sys.path.insert(0, str(REPO / "benchmarks"))
 import gate  # noqa: E402
 
+# 30 rounds, 30 more while a phase is inconclusive (at most 60 here, 90 in make bench-check): the budget of CI.
 SMALL = ["--set", "data.prompts_per_step=8", "--set", "rollout.samples_per_prompt=8",
-         "--set", "actor.ppo_mini_batches=2", "--set", "actor.ppo_epochs=2"]
+         "--set", "actor.ppo_mini_batches=2", "--set", "actor.ppo_epochs=2", "--max-rounds", "60"]
 
 
 def _check(tmp_path, *args, inject: str | None = None, timeout: int = 600):
@@ -62,7 +63,7 @@ def test_the_same_code_against_its_own_commit_passes(tmp_path):
     result = json.loads((tmp_path / "check.json").read_text())
     assert {v["phase"] for v in result["verdicts"] if v["gated"]} >= {"sync", "gen", "old_log_prob", "update_actor", "step"}
     rounds = len(result["samples"]["base"]["wall_s"])  # 30, or more where a phase was inconclusive (a loaded machine)
-    assert rounds == len(result["samples"]["candidate"]["wall_s"]) == result["rounds"] and rounds in (30, 60, 90)
+    assert rounds == len(result["samples"]["candidate"]["wall_s"]) == result["rounds"] and rounds in (30, 60)
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
