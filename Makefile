@@ -151,12 +151,16 @@ $(DOCKER_CHECK_VENV)/.installed:
 	touch $@
 
 # --- benchmarks ----------------------------------------------------------------------------------------
-# Benchmark suite (benchmarks/suite.py, benchmarks/README.md): a few minutes on 2 CPU cores.
-# bench-check measures, then compares with benchmarks/baselines/<machine kind>/suite.json and
-# fails, naming the figure, when one is more than 15% slower than its baseline.
+# Benchmark suite (benchmarks/suite.py, benchmarks/README.md). `make bench` records the suite's figures
+# (a few minutes on 2 CPU cores). `make bench-check` is the regression gate: this working tree against
+# a base revision (BENCH_BASE; default: the merge base with main), both measured in the same run,
+# interleaved step by step (benchmarks/gate.py); it fails naming the phase whose wall time grew, with
+# the slowdown's interval and the commit range. About 2 minutes on 2 loaded cores.
 BENCH_STEPS ?= 10
+BENCH_BASE ?=
+BENCH_ROUNDS ?= 30
 bench: setup
 	$(BIN)/python benchmarks/suite.py run --steps $(BENCH_STEPS)
 
-bench-check: bench
-	$(BIN)/python benchmarks/suite.py check
+bench-check: setup
+	$(BIN)/python benchmarks/suite.py check $(if $(BENCH_BASE),--base $(BENCH_BASE)) --rounds $(BENCH_ROUNDS)

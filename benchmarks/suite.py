@@ -1,13 +1,20 @@
-"""The benchmark suite and its regression gate (`make bench`, `make bench-check`).
+"""The benchmark suite (`make bench`) and its regression gate (`make bench-check`).
 
-    python benchmarks/suite.py run   [--out runs/bench/suite.json]       # measure (a few minutes, 2 cores)
-    python benchmarks/suite.py check [--results runs/bench/suite.json]   # compare with the baseline
-    python benchmarks/suite.py baseline                                   # refresh this machine kind's baseline
-    (run and baseline take --only ppo,sync,packing,trl: measure some parts; check skips the others,
+    python benchmarks/suite.py check [--base REV] [--rounds 30] [--set key=value ...]  # the gate (benchmarks/gate.py)
+    python benchmarks/suite.py run   [--out runs/bench/suite.json]       # record the figures below (a few minutes, 2 cores)
+    python benchmarks/suite.py compare-record [--results runs/bench/suite.json]   # against the stored record
+    python benchmarks/suite.py baseline                                   # refresh this machine kind's record
+    (run and baseline take --only ppo,sync,packing,trl: measure some parts; compare-record skips the others,
     baseline keeps the others' figures)
 
-Every figure is a ratio taken inside one run, so a slower or busier machine does not read as a
-regression:
+The gate, `check`: this working tree and a base revision (default: the merge base with main) run the PPO
+demo in the same run, interleaved step by step; each phase's wall time is compared with a paired bootstrap
+interval (benchmarks/gate_stats.py), and a phase more than 10% slower with the interval's lower end above 1
+fails, named with its slowdown, interval and commit range. Nothing stored is compared.
+
+The record, `run` (stored per machine kind in benchmarks/baselines/<kind>/suite.json by `baseline`, a record
+of machines and dates, not a gate; `compare-record` prints a run against it): every figure is a ratio taken
+inside one run:
 - `sync/megarl_over_naive`: weight-sync CPU seconds (busiest rank) of megarl's 3D-HybridEngine over
   the naive per-tensor all-gather, alternated in one torchrun (benchmarks/reshard.py, train tp2 ->
   rollout tp1);
@@ -23,9 +30,8 @@ regression:
   x mini-batches): the fixed cost per optimizer step;
 - `vs_trl/megarl_over_trl`: megarl's median GRPO-step CPU seconds over TRL's GRPOTrainer's on the same
   work, alternated (benchmarks/vs_trl.py; TRL in runs/trl-venv, made on first use; BENCH_TRL=0 skips it).
-Lower is better for all. `check` flags a gated figure more than --tolerance (15%; the sync figure
-carries 30%, its measured noise) above the baseline, naming it, and exits 1; phases under 5% of the step are reported but not gated (too
-short to time on a shared machine). Baselines: benchmarks/baselines/<machine kind>/suite.json.
+Lower is better for all. `compare-record` lists each figure more than --tolerance (15%; the sync figure
+carries 30%, its measured noise) above the record; it exits 0 (2 when a file is missing).
 """
 from __future__ import annotations
 
@@ -42,8 +48,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gate  # noqa: E402
+import gate_stats  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = REPO / "runs" / "bench" / "suite.json"
+DEFAULT_CHECK_RESULTS = REPO / "runs" / "bench" / "check.json"
 WARMUP_STEPS = 2
 GATE_MIN_SHARE = 0.05
 
@@ -107,12 +118,12 @@ def prepare_bench_data() -> None:
     The launch cannot write it: `data.auto_prepare` writes only the config file's own paths, never a
     path given on the command line (a typo there must not train on synthetic data).
     """
+    if (BENCH_DATA / "train.parquet").is_file() and (BENCH_DATA / "test.parquet").is_file():
+        return
     import yaml
 
     from megarl.data.prepare import prepare_arithmetic
 
-    if (BENCH_DATA / "train.parquet").is_file() and (BENCH_DATA / "test.parquet").is_file():
-        return
     a = yaml.safe_load((REPO / "configs" / "tiny_cpu.yaml").read_text())["data"]["arithmetic"]
     prepare_arithmetic(BENCH_DATA, a["kind"], a["num_digits"], a["train_size"], a["val_size"])
 
@@ -136,9 +147,6 @@ def bench_ppo(tmp: Path, steps: int) -> dict:
                             "gate": seconds >= GATE_MIN_SHARE * step,
                             "detail": {"median_cpu_s": seconds, "share_of_step": seconds / step,
                                        "median_wall_s": statistics.median(r[f"timing_s/{ph}"] for r in rows)}}
-        if any(f"bench/injected_cpu_s/{ph}" in r for r in rows):  # MEGARL_BENCH_SLOWDOWN: the figure without the injected work
-            out[f"ppo/{ph}"]["detail"]["value_without_injection"] = statistics.median(
-                (r[f"bench/cpu_s/{ph}"] - r.get(f"bench/injected_cpu_s/{ph}", 0.0)) / r["bench/calibration_cpu_s"] for r in rows)
     # The HF engine's generation speed: CPU time of the gen phase per generated token.
     per_token = [r["bench/cpu_s/gen"] / (r["response_length/mean"] * _responses(rows)) / r["bench/calibration_cpu_s"] for r in rows]
     out["rollout/hf/seconds_per_token"] = {"value": statistics.median(per_token), "gate": out["ppo/gen"]["gate"]}
@@ -148,9 +156,6 @@ def bench_ppo(tmp: Path, steps: int) -> dict:
     out["ppo/update_actor_per_optimizer_step"] = {"value": out["ppo/update_actor"]["value"] / steps, "gate": out["ppo/update_actor"]["gate"],
                                                   "detail": {"median_cpu_s": out["ppo/update_actor"]["detail"]["median_cpu_s"] / steps,
                                                              "optimizer_steps": steps}}
-    if "value_without_injection" in out["ppo/update_actor"]["detail"]:
-        out["ppo/update_actor_per_optimizer_step"]["detail"]["value_without_injection"] = \
-            out["ppo/update_actor"]["detail"]["value_without_injection"] / steps
     return out
 
 
@@ -214,7 +219,7 @@ def run_suite(out: Path, steps: int, only: tuple[str, ...] = tuple(PARTS)) -> di
                 metrics.update(bench())
     result = {"machine_kind": machine_kind(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
-              "load_average_1_5_15": list(os.getloadavg()), "slowdown_injected": os.environ.get("MEGARL_BENCH_SLOWDOWN"),
+              "load_average_1_5_15": list(os.getloadavg()), "injected": os.environ.get("MEGARL_BENCH_INJECT"),
               "metrics": metrics, "skipped": skipped, "skipped_parts": skipped_parts,
               "not_measured": other_engines()}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -266,10 +271,26 @@ def main(argv=None) -> int:
     r.add_argument("--steps", type=int, default=10, help=f"PPO steps (the first {WARMUP_STEPS} are warm-up)")
     r.add_argument("--only", default=",".join(PARTS), help=f"comma-separated parts to measure, of {','.join(PARTS)} "
                    "(check then reports the others as skipped)")
-    c = sub.add_parser("check", help="compare results with the baseline of this machine kind")
-    c.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
-    c.add_argument("--baseline", type=Path)
-    c.add_argument("--tolerance", type=float, default=0.15)
+    c = sub.add_parser("check", help="the regression gate: the candidate against a base revision, measured in the same run")
+    c.add_argument("--base", help="base revision (default: the merge base with main, else the last bench-baseline* tag)")
+    c.add_argument("--base-dir", type=Path, help="a base checkout exported beforehand, where there is no history "
+                   "(git archive REV | tar -x -C DIR)")
+    c.add_argument("--rounds", type=int, default=gate.DEFAULT_ROUNDS, help="paired rounds (one step of each side)")
+    c.add_argument("--max-rounds", type=int, help="rounds at most, added --rounds at a time while a phase is "
+                   "inconclusive (its interval reaches above the tolerance); default 3 x --rounds")
+    c.add_argument("--warmup", type=int, default=gate.DEFAULT_WARMUP, help="unrecorded rounds first")
+    c.add_argument("--config", default=gate.DEFAULT_CONFIG, help="the PPO run measured (relative to the repository)")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override for both sides (repeatable)")
+    c.add_argument("--tolerance", type=float, default=gate_stats.DEFAULT_TOLERANCE,
+                   help="a slowdown above this (and above 1 at the interval's lower end) fails")
+    c.add_argument("--confidence", type=float, default=gate_stats.DEFAULT_CONFIDENCE)
+    c.add_argument("--min-seconds", type=float, default=gate_stats.DEFAULT_MIN_SECONDS,
+                   help="phases whose base median is shorter are reported, not gated")
+    c.add_argument("--out", type=Path, default=DEFAULT_CHECK_RESULTS)
+    r2 = sub.add_parser("compare-record", help="compare suite results with a stored baseline (a record, not a gate)")
+    r2.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
+    r2.add_argument("--baseline", type=Path)
+    r2.add_argument("--tolerance", type=float, default=0.15)
     b = sub.add_parser("baseline", help="measure and store as this machine kind's baseline")
     b.add_argument("--steps", type=int, default=10)
     b.add_argument("--only", help="comma-separated parts to re-measure; the baseline's other figures are kept")
@@ -287,8 +308,8 @@ def main(argv=None) -> int:
         print(f"wrote {args.out}")
         return 0
     if args.cmd == "baseline":
-        if os.environ.get("MEGARL_BENCH_SLOWDOWN"):
-            print("error: MEGARL_BENCH_SLOWDOWN is set; a baseline must measure the code as it is", file=sys.stderr)
+        if os.environ.get("MEGARL_BENCH_INJECT"):
+            print("error: MEGARL_BENCH_INJECT is set; a baseline must measure the code as it is (unset it)", file=sys.stderr)
             return 2
         out = baseline_path()
         only = tuple(p.strip() for p in (args.only or ",".join(PARTS)).split(",") if p.strip())
@@ -301,23 +322,32 @@ def main(argv=None) -> int:
             out.write_text(json.dumps(merge_baseline(old, result, only), indent=1) + "\n")
         print(f"wrote {out}; commit it with a message saying why the baseline moved")
         return 0
-    if not args.results.is_file():
-        print(f"error: {args.results} does not exist; run `make bench` (python benchmarks/suite.py run) first", file=sys.stderr)
+    if args.cmd == "check":
+        return gate.check(args.base, args.rounds, args.max_rounds or 3 * args.rounds, args.warmup, args.config, args.set, args.tolerance, args.confidence,
+                          args.min_seconds, args.out, prepare=prepare_bench_data,
+                          base_dir=args.base_dir)
+    return compare_record(args.results, args.baseline, args.tolerance)
+
+
+def compare_record(results: Path, baseline: Path | None, tolerance: float) -> int:
+    """`compare-record`: the stored baseline's figures against a `run`'s, printed; a record, so it always
+    exits 0 when both files exist (the gate is `check`)."""
+    if not results.is_file():
+        print(f"error: {results} does not exist; run `make bench` (python benchmarks/suite.py run) first", file=sys.stderr)
         return 2
-    current = json.loads(args.results.read_text())
-    base_file = args.baseline or baseline_path(current["machine_kind"])
+    current = json.loads(results.read_text())
+    base_file = baseline or baseline_path(current["machine_kind"])
     if not base_file.is_file():
         print(f"error: no baseline for machine kind {current['machine_kind']!r} ({base_file}); create one with "
               f"`python benchmarks/suite.py baseline` (see benchmarks/README.md)", file=sys.stderr)
         return 2
-    lines, regressions = compare(current, json.loads(base_file.read_text()), args.tolerance)
-    print(f"bench-check: {args.results} against {base_file.relative_to(REPO) if base_file.is_relative_to(REPO) else base_file}")
+    lines, slower = compare(current, json.loads(base_file.read_text()), tolerance)
+    print(f"compare-record: {results} against {base_file.relative_to(REPO) if base_file.is_relative_to(REPO) else base_file} "
+          "(a record of machines and dates; the gate is `suite.py check`)")
     print("\n".join(lines))
-    for reg in regressions:
-        print(f"REGRESSION: {reg}")
-    print("bench-check: FAILED" if regressions else "bench-check: passed")
-    return 1 if regressions else 0
-
+    for line in slower:
+        print(f"slower than the record: {line}")
+    return 0
 
 if __name__ == "__main__":
     sys.exit(main())
