@@ -4,8 +4,8 @@ runs the jobs the test process sends it, each inside that group, until told to s
 A job is a whole `launch/ppo.py` run ({"kind": "ppo", "argv": [...]}: `Run` opened and closed inside the
 existing group), a worker script or module run as `__main__` ({"kind": "script", "argv": ["tests/x/w.py",
 ...] or ["-m", "megarl.tools.logprobs", ...]}) or a function ({"kind": "call", "target": "module:function",
-"args": [...]}). A job that ends the default group (as a worker script does at its end) leaves it to the
-next job to make again, on the port that job names. Its
+"args": [...]}). A script starts, as under torchrun, with no default group (it makes its own, on the
+port the job names); a job that needs the world's group after a script ended it makes it again. Its
 stdout and stderr (file descriptors 1 and 2, so C++ output too) go to the files the job names; the
 answer is {"code": exit code, "result": the function's value, "reusable": whether the world can take
 another job}. Started by tests/worlds.py, never by hand.
@@ -75,9 +75,22 @@ def _launch_ppo():
     return module
 
 
+def _leave(port: str) -> None:
+    """No default group, as torchrun hands a script none: a worker script makes its own (on this job's
+    port) and may end it; the next job that needs the world's group makes it again."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = port
+
+
 def run_job(job: dict, ppo) -> dict:
     """Run one job with fds 1 and 2 in its files and its environment variables set; restore both after."""
-    _join(job["port"])
+    if job["kind"] == "script":
+        _leave(job["port"])
+    else:
+        _join(job["port"])
     saved_env = dict(os.environ)
     os.environ.update(job.get("env") or {})
     sys.stdout.flush()

@@ -53,3 +53,10 @@ def test_a_hung_job_is_stopped_at_its_timeout_naming_the_rank(world2):
         world2.call(f"{JOBS}:hang_on", 0, timeout=5)
     after = world2.call(f"{JOBS}:rank_and_pid")
     assert {pid for _, pid in after}.isdisjoint(pid for _, pid in before)
+
+
+def test_a_script_that_makes_its_own_group_runs_after_a_job_that_used_the_worlds(world2):
+    assert world2.call(f"{JOBS}:all_reduce_rank") == [1, 1]  # the world's group is up
+    proc = world2.script(["tests/foundation/world_own_group.py"])
+    assert proc.returncode == 0 and proc.stdout.count("sum 3 over 2 ranks") == 2, proc.stdout + proc.stderr
+    assert world2.call(f"{JOBS}:all_reduce_rank") == [1, 1]  # and the world's group is made again after it
