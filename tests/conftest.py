@@ -224,10 +224,25 @@ def pytest_runtest_logreport(report):
         _TIER_OUTCOMES[report.nodeid] = report.outcome
 
 
+def pytest_collection_finish(session):
+    """Start, niced, the background runs (tests/background.py) that the collected test modules declare
+    in BACKGROUND_RUNS: they run while the tests before theirs do."""
+    import background
+
+    if session.config.option.collectonly or not background.enabled():
+        return
+    modules = {id(item.module): item.module for item in session.items if getattr(item, "module", None) is not None}
+    for module in modules.values():
+        for name, start_fn in getattr(module, "BACKGROUND_RUNS", {}).items():
+            background.start(name, start_fn)
+
+
 def pytest_sessionfinish(session, exitstatus):
+    import background
     import worlds  # the persistent test worlds (tests/worlds.py) end with the session
 
     worlds.stop_all()
+    background.stop_all()
     tier = os.environ.get("MEGARL_TEST_TIER")
     if not tier or not _TIER_STARTED:
         return

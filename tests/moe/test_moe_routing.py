@@ -218,7 +218,7 @@ def test_moe_run_with_replay_matches_its_rollout(tmp_path):
     is said once and reported each step."""
     import json
 
-    from conftest import free_port, torchrun
+    from conftest import torchrun
     from routing_replay import make_model
 
     from megarl.data.prepare import prepare_arithmetic
@@ -234,9 +234,8 @@ def test_moe_run_with_replay_matches_its_rollout(tmp_path):
         "trainer.total_steps": 2, "trainer.save_every_steps": 0, "trainer.val_every_steps": 0,
         "trainer.run_dir": run_dir, "tracking.progress_bar": "false",
     }
-    # its own rendezvous port: this module's world_of_one has put its (busy) one in the environment
-    proc = torchrun(0, ["launch/ppo.py", "--config", "configs/tiny_cpu.yaml", *(f"{k}={v}" for k, v in overrides.items())],
-                    env={"MASTER_PORT": str(free_port())})
+    # a job of the world of one (tests/worlds.py), whose rendezvous is not this module's world_of_one's
+    proc = torchrun(0, ["launch/ppo.py", "--config", "configs/tiny_cpu.yaml", *(f"{k}={v}" for k, v in overrides.items())])
     assert (proc.stdout + proc.stderr).count("MoE auxiliary load-balancing loss on in the actor: aux_loss, coefficient 0.01") == 1
     steps = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "event" not in r]
     assert len(steps) == 2
@@ -287,7 +286,7 @@ def test_grpo_with_replay_at_tp2_with_sp_against_one_process(tmp_path):
     layouts train on slightly different losses (as dp splits do: RouterOptions)."""
     import json
 
-    from conftest import free_port, torchrun
+    from conftest import torchrun
     from routing_replay import make_model
 
     from megarl.data.prepare import prepare_arithmetic
@@ -304,8 +303,7 @@ def test_grpo_with_replay_at_tp2_with_sp_against_one_process(tmp_path):
 
     def run(name: str, nproc: int, **extra):
         args = {**overrides, "trainer.run_dir": tmp_path / name, **extra}
-        proc = torchrun(nproc, ["launch/ppo.py", "--config", "configs/tiny_cpu.yaml", *(f"{k}={v}" for k, v in args.items())],
-                        env={"MASTER_PORT": str(free_port())})
+        proc = torchrun(nproc, ["launch/ppo.py", "--config", "configs/tiny_cpu.yaml", *(f"{k}={v}" for k, v in args.items())])
         rows = [r for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines()) if "event" not in r]
         return proc, rows
 

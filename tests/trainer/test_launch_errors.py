@@ -1,16 +1,36 @@
-"""Misconfigurations exit with code 2 and a one-line message naming the problem, no traceback."""
+"""Misconfigurations exit with code 2 and a one-line message naming the problem, no traceback.
+
+The config refusals (megarl.run.check_config: every one is decided before torch.distributed loads) are
+checked in this process, one per key; the exit-2 contract of launch/ppo.py itself is checked end to end
+once per kind of refusal: a config error in one process and under torchrun, a run directory in use or
+not writable (after the process groups exist).
+"""
 from __future__ import annotations
 
 import subprocess
 
 import pytest
 
-from conftest import torchrun
+from conftest import REPO, torchrun
 
 
 def run_launch(args: list[str], world_size: int = 1, env: dict | None = None) -> subprocess.CompletedProcess:
     """One plain process that believes it is one of world_size (the checks run before any rendezvous)."""
     return torchrun(0, ["launch/ppo.py", *args], timeout=120, env={"WORLD_SIZE": str(world_size), **(env or {})}, check=False)
+
+
+def refusal(args: list[str], capsys, monkeypatch, world_size: int = 1) -> list[str]:
+    """launch/ppo.py's config check in this process, as rank 0 of world_size runs it: the non-empty lines
+    it printed to stderr, asserting that it refused (the launcher turns that into exit code 2)."""
+    from megarl.run import Refused, check_config
+
+    assert args[0] == "--config"
+    monkeypatch.chdir(REPO)  # config and data paths as the launcher, run from the checkout, reads them
+    monkeypatch.delenv("RANK", raising=False)
+    capsys.readouterr()
+    with pytest.raises(Refused):
+        check_config(args[1], args[2:], world_size)
+    return [line for line in capsys.readouterr().err.splitlines() if line.strip()]
 
 
 @pytest.mark.parametrize(
@@ -42,38 +62,42 @@ def run_launch(args: list[str], world_size: int = 1, env: dict | None = None) ->
     ids=["unknown-key", "wrong-type", "layout", "enum", "missing-data", "missing-config", "missing-model", "batch-size",
          "typed-data-path", "data-dir", "kl-penalty-full", "kl-loss-full", "gspo-clip", "raise-coef-unread", "kl-guard-no-kl"],
 )
-def test_misconfiguration_exits_2_with_one_line(args, world, expected):
-    proc = run_launch(args, world)
+def test_misconfiguration_is_refused_in_one_line(args, world, expected, capsys, monkeypatch):
+    lines = refusal(args, capsys, monkeypatch, world)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("config error: ") and expected in lines[0], lines[0]
+
+
+def test_a_config_error_exits_2_with_one_line_and_no_traceback():
+    """The launcher end to end, once for every config refusal above (they share this path)."""
+    proc = run_launch(["--config", "configs/tiny_cpu.yaml", "actor.optim.lrr=1e-6"])
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stderr
-    assert expected in lines[0], lines[0]
+    assert len(lines) == 1 and "actor.optim.lr" in lines[0], proc.stderr
 
 
-def test_typed_data_path_is_not_created(tmp_path):
+def test_typed_data_path_is_not_created(tmp_path, capsys, monkeypatch):
     typed = tmp_path / "nonexistent" / "x.parquet"
-    proc = run_launch(["--config", "configs/tiny_cpu.yaml", f"data.train_files=[{typed}]"])
-    assert proc.returncode == 2 and not (tmp_path / "nonexistent").exists(), proc.stderr
+    refusal(["--config", "configs/tiny_cpu.yaml", f"data.train_files=[{typed}]"], capsys, monkeypatch)
+    assert not (tmp_path / "nonexistent").exists()
 
 
-def test_duplicate_yaml_keys_are_refused(tmp_path):
+def test_duplicate_yaml_keys_are_refused(tmp_path, capsys, monkeypatch):
     config = tmp_path / "dup.yaml"
     config.write_text("trainer:\n  total_steps: 3\n  seed: 1\n  total_steps: 5\n")
-    proc = run_launch(["--config", str(config)])
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "key 'total_steps' appears twice in one section (lines 2 and 4)" in proc.stderr
+    lines = refusal(["--config", str(config)], capsys, monkeypatch)
+    assert len(lines) == 1 and "key 'total_steps' appears twice in one section (lines 2 and 4)" in lines[0], lines
 
 
-def test_missing_vllm_is_a_config_error():
+def test_missing_vllm_is_a_config_error(capsys, monkeypatch):
     import importlib.util
 
     spec = importlib.util.find_spec("vllm")
     if spec is not None and spec.origin not in (None, "namespace"):
         pytest.skip("vllm is installed here")
-    proc = run_launch(["--config", "configs/tiny_cpu.yaml", "rollout.engine=vllm"])
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "rollout.engine=vllm: the vllm package is not installed here" in proc.stderr
+    lines = refusal(["--config", "configs/tiny_cpu.yaml", "rollout.engine=vllm"], capsys, monkeypatch)
+    assert len(lines) == 1 and "rollout.engine=vllm: the vllm package is not installed here" in lines[0], lines
 
 
 def test_a_run_dir_in_use_is_refused_naming_the_holder(tmp_path):
