@@ -56,7 +56,7 @@ class DemoRuns:
 
         shared = _make_model_and_data(root)
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        self.val_file, self.running = root / "test.parquet", {}
+        val_file, self.running = root / "test.parquet", {}
         for estimator in ESTIMATORS:
             for seed in SEEDS:
                 run_dir = root / f"{estimator}_seed{seed}"
@@ -65,12 +65,13 @@ class DemoRuns:
                 if (estimator, seed) != README_DEMO:  # the README's demo keeps its shipped MLflow logger
                     train.append("tracking.mlflow=false")
                 # as `make demo-eval` measures it: export the last checkpoint, then greedy exact match
-                export = [sys.executable, "-m", "megarl.tools.export_hf", "--ckpt", "LAST", "--out", str(run_dir / "hf_last")]
-                evaluate = [sys.executable, "-m", "megarl.tools.eval_exact_match", "--model", str(run_dir / "hf_last"),
-                            "--data", str(self.val_file), "--run-config", str(run_dir / "config.yaml")]
+                # (the last checkpoint is known only once the run has ended: the shell finds it)
                 last = f'"$(ls -d {shlex.quote(str(run_dir))}/checkpoints/step_* | tail -n 1)"'
-                chain = (f"{shlex.join(train)} && {shlex.join(export).replace('LAST', last)} && "
-                         f"{shlex.join(evaluate)} > {shlex.quote(str(run_dir))}.eval.json")
+                export = (f"{shlex.join([sys.executable, '-m', 'megarl.tools.export_hf'])} --ckpt {last} "
+                          f"--out {shlex.quote(str(run_dir / 'hf_last'))}")
+                evaluate = [sys.executable, "-m", "megarl.tools.eval_exact_match", "--model", str(run_dir / "hf_last"),
+                            "--data", str(val_file), "--run-config", str(run_dir / "config.yaml")]
+                chain = f"{shlex.join(train)} && {export} && {shlex.join(evaluate)} > {shlex.quote(str(run_dir))}.eval.json"
                 with open(f"{run_dir}.log", "w") as log:  # a file, not a pipe: a full pipe would stall a run
                     proc = subprocess.Popen(["bash", "-c", chain], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                             preexec_fn=background.lower_priority if nice else None,
