@@ -239,10 +239,12 @@ def pytest_collection_finish(session):
 
 def pytest_sessionfinish(session, exitstatus):
     import background
+    import shared_runs
     import worlds  # the persistent test worlds (tests/worlds.py) end with the session
 
     worlds.stop_all()
     background.stop_all()
+    shared_runs.cleanup()
     tier = os.environ.get("MEGARL_TEST_TIER")
     if not tier or not _TIER_STARTED:
         return

@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "tests" / "trainer"))
-from ppo_helpers import launch_ok, read_metrics, small_run_overrides  # noqa: E402
+from ppo_helpers import launch_ok, read_metrics, reference_run, shared_overrides  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -25,11 +25,10 @@ SIX_LAYERS = {"model.make_tiny.layers": 6, "trainer.total_steps": 2, "algorithm.
 COMPARED = ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/grad_norm", "actor/entropy", "actor/kl_loss")
 
 
-@pytest.fixture(scope="module")
-def single_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("six_layer_runs")
-    launch_ok(0, small_run_overrides(root, root / "single", **SIX_LAYERS))
-    return root
+@pytest.fixture
+def single_run():
+    """The one-process run, once per session (tests/shared_runs.py)."""
+    return reference_run(0, **SIX_LAYERS)
 
 
 # vpp2 x pp2 with uneven stages; and (issue 23) GRPO under context parallelism, alone (2 ranks) and
@@ -41,11 +40,10 @@ def single_run(tmp_path_factory):
     (2, {"parallel.cp": 2}, "tp=1 pp=1 cp=2 dp=1"),
     (4, {"parallel.cp": 2, "parallel.tp": 2}, "tp=2 sp pp=1 cp=2 dp=1"),
 ], ids=["vpp2_pp2_uneven", "grpo_cp2", "grpo_cp2xtp2"])
-def test_same_run_under_the_layout(single_run, nproc, layout, shown):
-    name = "_".join(f"{k.split('.')[1]}{v}" for k, v in layout.items())
-    proc = launch_ok(nproc, small_run_overrides(single_run, single_run / name, **SIX_LAYERS, **layout))
+def test_same_run_under_the_layout(single_run, tmp_path, nproc, layout, shown):
+    proc = launch_ok(nproc, shared_overrides(tmp_path / "run", **SIX_LAYERS, **layout))
     assert shown in proc.stdout, proc.stdout  # the layout ran
-    single, parallel = read_metrics(single_run / "single"), read_metrics(single_run / name)
+    single, parallel = read_metrics(single_run), read_metrics(tmp_path / "run")
     assert len(single) == len(parallel) == 2
     for a, b in zip(single, parallel):
         for k in COMPARED:

@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "tests" / "trainer"))
-from ppo_helpers import launch_ok, read_metrics, small_run_overrides  # noqa: E402
+from ppo_helpers import launch_ok, read_metrics, reference_run, shared_overrides  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -21,22 +21,26 @@ RUN = {"trainer.total_steps": 2, "model.make_tiny.enable": "false"}
 
 
 @pytest.fixture(scope="module")
-def single_run(tmp_path_factory):
+def model(tmp_path_factory):
     from megarl.tools.make_tiny_model import make_tiny_model
 
-    root = tmp_path_factory.mktemp("deepseek_v3_runs")
-    make_tiny_model("deepseek_v3", root / "model", tokenizer="digits", layers=4, experts=8, groups=2, topk_group=1, topk=2,
+    path = tmp_path_factory.mktemp("deepseek_v3") / "model"
+    make_tiny_model("deepseek_v3", path, tokenizer="digits", layers=4, experts=8, groups=2, topk_group=1, topk=2,
                     max_positions=64, mtp_layers=1)
-    launch_ok(0, small_run_overrides(root, root / "single", **RUN))
-    return root
+    return path
+
+
+@pytest.fixture
+def single_run(model):
+    """The one-process run, once per session (tests/shared_runs.py)."""
+    return reference_run(0, **RUN, **{"model.path": model})
 
 
 @pytest.mark.parametrize("layout", [{"parallel.ep": 2}, {"parallel.pp": 2, "parallel.first_stage_layers": 1}],
                          ids=["ep2", "pp2_uneven"])
-def test_deepseek_v3_ppo_same_metrics_under_layouts(single_run, layout):
-    name = "_".join(f"{k.split('.')[-1]}{v}" for k, v in layout.items())
-    launch_ok(2, small_run_overrides(single_run, single_run / name, **RUN, **layout))
-    single, parallel = read_metrics(single_run / "single"), read_metrics(single_run / name)
+def test_deepseek_v3_ppo_same_metrics_under_layouts(model, single_run, tmp_path, layout):
+    launch_ok(2, shared_overrides(tmp_path / "run", **RUN, **layout, **{"model.path": model}))
+    single, parallel = read_metrics(single_run), read_metrics(tmp_path / "run")
     assert len(single) == len(parallel) == 2
     for a, b in zip(single, parallel):
         for k in COMPARED:

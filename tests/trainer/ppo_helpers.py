@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+import shared_runs
 import worlds
 from conftest import REPO, torchrun
 
@@ -46,6 +47,28 @@ def small_run_overrides(root: Path, run_dir: Path, **extra) -> list[str]:
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
+
+
+def shared_overrides(run_dir: Path, config: str = "configs/tiny_cpu.yaml", **extra) -> list[str]:
+    """`small_run_overrides` on the session's shared inputs (tests/shared_runs.py): the data under one
+    session directory and, unless `extra` names a model.path, the tiny random model of the run's
+    `model.make_tiny` settings (one directory per settings), so that a run can be compared with a
+    shared reference run (`reference_run`) of the same inputs."""
+    root = shared_runs.inputs_root()
+    overrides = small_run_overrides(root, run_dir, **extra)
+    if "model.path" not in extra:
+        cfg = shared_runs.resolved(config, overrides)
+        if cfg.model.make_tiny.enable:
+            overrides.append(f"model.path={shared_runs.tiny_model_dir(cfg.model.make_tiny)}")
+    return overrides
+
+
+def reference_run(nproc: int, config: str = "configs/tiny_cpu.yaml", **extra) -> Path:
+    """The run directory of `shared_overrides(..., **extra)` run on `nproc` processes (0: one plain
+    process), run once per session and keyed by its resolved config: every test that compares against
+    the same run reads the same one."""
+    key = shared_runs.run_key(config, shared_overrides(Path("unused"), config, **extra), nproc)
+    return shared_runs.once(key, lambda run_dir: launch_ok(nproc, shared_overrides(run_dir, config, **extra), config=config))
 
 
 def launch(nproc: int, overrides: list[str], config: str = "configs/tiny_cpu.yaml", timeout: int = 900,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ppo_helpers import launch, launch_ok, read_metrics, small_run_overrides
+from ppo_helpers import launch, launch_ok, read_metrics, reference_run, shared_overrides
 from test_ppo_runs import COMPARED, _assert_close
 
 pytestmark = [pytest.mark.slow]
@@ -17,15 +17,14 @@ FILTER_METRICS = ("train/num_gen_batches", "train/num_groups_kept", "train/num_g
                   "train/uniform_groups", "reward/overlong_penalised")
 
 
-@pytest.fixture(scope="module")
-def filtered_single(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dapo")
-    launch_ok(0, small_run_overrides(root, root / "single", **SHAPED))
-    return root
+@pytest.fixture
+def filtered_single():
+    """The one-process run, once per session (tests/shared_runs.py)."""
+    return reference_run(0, **SHAPED)
 
 
 def test_every_trained_group_has_a_score_spread(filtered_single):
-    rows = read_metrics(filtered_single / "single")
+    rows = read_metrics(filtered_single)
     assert len(rows) == 2
     for r in rows:
         assert r["train/uniform_groups"] == 0  # counted on the trained batch's scores, apart from the filter
@@ -38,21 +37,19 @@ def test_every_trained_group_has_a_score_spread(filtered_single):
 
 
 @pytest.mark.multiprocess
-def test_dp2_trains_what_one_process_trains(filtered_single):
+def test_dp2_trains_what_one_process_trains(filtered_single, tmp_path):
     """2 training ranks (dp2) and a third that generates for both (rollout.placement=separate, K = 0):
     the rounds come from the rollout rank, the groups are shared over the DP group."""
-    root = filtered_single
-    launch_ok(3, small_run_overrides(root, root / "dp2", **SHAPED, **{"rollout.placement": "separate", "rollout.num_ranks": 1}))
-    single, dp2 = read_metrics(root / "single"), read_metrics(root / "dp2")
+    launch_ok(3, shared_overrides(tmp_path / "dp2", **SHAPED, **{"rollout.placement": "separate", "rollout.num_ranks": 1}))
+    single, dp2 = read_metrics(filtered_single), read_metrics(tmp_path / "dp2")
     compared = tuple(k for k in COMPARED if k in single[0])  # GRPO: no critic
     assert len(single) == len(dp2) == 2
     _assert_close(single, dp2, rel=1e-3, keys=compared + FILTER_METRICS)
 
 
-def test_too_few_groups_is_one_error_naming_the_knob(filtered_single):
-    root = filtered_single
+def test_too_few_groups_is_one_error_naming_the_knob(tmp_path):
     # one round of 8 prompts from the random start: fewer than 8 groups have a spread
-    proc = launch(0, small_run_overrides(root, root / "short", **{**SHAPED, "algorithm.filter_groups.max_num_gen_batches": 1}))
+    proc = launch(0, shared_overrides(tmp_path / "short", **{**SHAPED, "algorithm.filter_groups.max_num_gen_batches": 1}))
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "raise algorithm.filter_groups.max_num_gen_batches (now 1)" in errors[0], proc.stderr[-3000:]

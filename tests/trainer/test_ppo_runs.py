@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ppo_helpers import launch, launch_ok, read_metrics, small_run_overrides
+from ppo_helpers import launch, launch_ok, read_metrics, reference_run, shared_overrides, small_run_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # torchrun, 2 ranks (one single-process run)
 
@@ -63,7 +63,6 @@ OFFLOAD_ALL = {"ref.param_offload": "true",
 @pytest.mark.parametrize("nproc,tp,pp,cp", [(2, 2, 1, 1), (2, 1, 2, 1), (2, 1, 1, 1), (2, 1, 1, 2), (4, 2, 1, 2)],
                          ids=["tp2", "pp2", "dp2", "cp2", "cp2xtp2"])
 def test_same_run_under_every_layout(tmp_path_factory, nproc, tp, pp, cp, single_process_run):
-    root = single_process_run.parent
     run_dir = tmp_path_factory.mktemp(f"layout_tp{tp}_pp{pp}_cp{cp}")
     # dp2 also offloads everything between phases: numbers must not change, memory must.
     offload = OFFLOAD_ALL if (tp, pp) == (1, 1) else {}
@@ -73,9 +72,9 @@ def test_same_run_under_every_layout(tmp_path_factory, nproc, tp, pp, cp, single
     # tp2 -> rollout tp1 moves half the model: the tp2 run syncs by delta (rollout.weight_sync), which
     # must log what one process logs as every other layout does (it loads the same weights)
     delta = {"rollout.weight_sync.mode": "delta"} if (nproc, tp, pp, cp) == (2, 2, 1, 1) else {}
-    proc = launch_ok(nproc, small_run_overrides(root, run_dir, **{"trainer.total_steps": 2, "parallel.tp": tp, "parallel.pp": pp,
-                                                                                     "parallel.cp": cp},
-                                                **offload, **save, **CORRECTION, **delta))
+    proc = launch_ok(nproc, shared_overrides(run_dir, **{"trainer.total_steps": 2, "parallel.tp": tp, "parallel.pp": pp,
+                                                         "parallel.cp": cp},
+                                             **offload, **save, **CORRECTION, **delta))
     # tp2 runs with sequence parallelism, the default at tp > 1 (the critic's value head on the SP
     # shard), under context parallelism too (cp2 x tp2: the SP shard of each CP rank's tokens)
     assert (f"tp={tp} sp " in proc.stdout) == (tp > 1), proc.stdout
@@ -98,9 +97,9 @@ def test_same_run_under_every_layout(tmp_path_factory, nproc, tp, pp, cp, single
         # directory, so there is no earlier segment whose layout it would change): its step 2 logs
         # the straight runs' step 2 (this one's and one process's) within the layouts' 1e-3.
         resumed = tmp_path_factory.mktemp("resumed_dp2")
-        proc = launch_ok(2, small_run_overrides(root, resumed, **{"trainer.total_steps": 2,
-                                                                  "trainer.resume": run_dir / "checkpoints" / "step_00000001"},
-                                                **CORRECTION))
+        proc = launch_ok(2, shared_overrides(resumed, **{"trainer.total_steps": 2,
+                                                         "trainer.resume": run_dir / "checkpoints" / "step_00000001"},
+                                             **CORRECTION))
         assert "resumed from" in proc.stdout and "step_00000001" in proc.stdout, proc.stdout
         after = read_metrics(resumed)
         assert [r["step"] for r in after] == [2]
@@ -116,12 +115,10 @@ def test_same_run_under_every_layout(tmp_path_factory, nproc, tp, pp, cp, single
         assert dropped["perf/offload_bytes"] == dropped["perf/onload_bytes"] > 0
 
 
-@pytest.fixture(scope="module")
-def single_process_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("layouts")
-    run_dir = root / "single"
-    launch_ok(0, small_run_overrides(root, run_dir, **{"trainer.total_steps": 2}, **CORRECTION))
-    return run_dir
+@pytest.fixture
+def single_process_run():
+    """The one-process run the layouts are compared with: once per session (tests/shared_runs.py)."""
+    return reference_run(0, **{"trainer.total_steps": 2}, **CORRECTION)
 
 
 # The smallest split validation accepts: 2 prompts x 2 samples = 4 responses per step, cut into
@@ -134,9 +131,8 @@ SMALLEST = {"data.prompts_per_step": 2, "rollout.samples_per_prompt": 2, "traine
 def test_same_run_under_every_layout_at_the_smallest_split(tmp_path_factory, nproc, tp, mini_batches):
     root = tmp_path_factory.mktemp(f"smallest_tp{tp}")
     split = {**SMALLEST, "actor.ppo_mini_batches": mini_batches, "critic.ppo_mini_batches": mini_batches}
-    launch_ok(0, small_run_overrides(root, root / "single", **split))
-    launch_ok(nproc, small_run_overrides(root, root / "parallel", **split, **{"parallel.tp": tp}))
-    single, parallel = read_metrics(root / "single"), read_metrics(root / "parallel")
+    launch_ok(nproc, shared_overrides(root / "parallel", **split, **{"parallel.tp": tp}))
+    single, parallel = read_metrics(reference_run(0, **split)), read_metrics(root / "parallel")
     assert len(single) == len(parallel) == 2
     _assert_close(single, parallel, rel=1e-3)
 
@@ -162,12 +158,11 @@ SEPARATE = {"rollout.placement": "separate", "rollout.num_ranks": 1}
 def test_separate_placement_at_k0_logs_what_colocated_logs(tmp_path_factory, single_process_run):
     """1 training + 1 rollout rank (issue 24): the same samples (seeds do not depend on placement),
     so the same metrics as one colocated process; the rollout rank received exactly its shard."""
-    root = single_process_run.parent
     run_dir = tmp_path_factory.mktemp("separate") / "k0"
     # (the one-process run trains with TIS under top_p: the same here, the ratio from the rollout rank's log-probs)
     # the weights go by delta (rollout.weight_sync): the same metrics, and the full bound beside the bytes
-    launch_ok(2, small_run_overrides(root, run_dir, **{"trainer.total_steps": 2, "rollout.weight_sync.mode": "delta"},
-                                     **SEPARATE, **CORRECTION))
+    launch_ok(2, shared_overrides(run_dir, **{"trainer.total_steps": 2, "rollout.weight_sync.mode": "delta"},
+                                  **SEPARATE, **CORRECTION))
     single, separate = read_metrics(single_process_run), read_metrics(run_dir)
     assert len(single) == len(separate) == 2
     _assert_close(single, separate, rel=1e-3)
