@@ -192,6 +192,8 @@ def render(report: dict) -> str:
         lines.append(f"weight sync ({sync['path']} path, rollout tp {sync['rollout_tp']}, {sync['buckets']} buckets): every "
                      f"rollout shard covered once; most received: rank {worst['rank']}, {worst['sync_recv_bytes'] / GIB:.2f} GiB "
                      f"(bound {worst['sync_bound_bytes'] / GIB:.2f}; planner {worst['planner_sync_recv_bytes_max'] / GIB:.2f})")
+        if "planner_differs" in sync:
+            lines.append(f"weight sync: {sync['planner_differs']}")
     else:
         lines.append(f"weight sync ({sync['path']} path, rollout tp {sync['rollout_tp']}): not planned: {sync['not_planned']}")
     ckpt = report["checkpoint"]

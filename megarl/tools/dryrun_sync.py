@@ -93,6 +93,10 @@ def plan_sync(cfg, layout, spec, builds: list[tuple[RankBuild, list[int]]]) -> t
     rollout, path, why = weight_layout(cfg, spec)
     summary = {"path": path, "why": why, "rollout_tp": rollout.tp, "grouping": rollout.grouping,
                "bucket_bytes": cfg.rollout.bucket_bytes}
+    if rollout.tp != cfg.rollout.tp or rollout.grouping != "micro_dp":  # where the planner's sync figure stands elsewhere
+        summary["planner_differs"] = (f"the planner's sync figure assumes rollout tp {cfg.rollout.tp} shards on the micro-DP "
+                                      f"grouping; this run sends the {path} path's rollout tp {rollout.tp} "
+                                      f"({rollout.grouping}) layout")
     metadata = rank_metadata(builds, layout, spec)
     if metadata is None:
         summary["planned"] = False
