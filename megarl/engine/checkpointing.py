@@ -64,12 +64,18 @@ def _refuse_tied_virtual_stages(engine) -> None:
                          "this model")
 
 
-def _sharded_state_dict(engine, is_loading: bool) -> dict:
+def model_sharded_state_dict(engine) -> dict:
+    """The model part of the checkpoint's sharded state dict, by chunk key (the dry run lists it too)."""
     _refuse_tied_virtual_stages(engine)
     engine.onload()
     state = {key: m.sharded_state_dict(prefix="model.") for key, m in zip(_model_keys(engine), engine.modules)}
     if engine.lora is not None:  # adapters only: the frozen base is rebuilt from its directory (adapter_checkpoint)
         state = {key: adapter_checkpoint.adapter_state(engine, s) for key, s in state.items()}
+    return state
+
+
+def _sharded_state_dict(engine, is_loading: bool) -> dict:
+    state = model_sharded_state_dict(engine)
     if engine.trainable:
         ensure_optimizer_state(engine)
         model_sd = dict(state)  # the optimizer finds each parameter's sharded tensor in any chunk

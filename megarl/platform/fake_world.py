@@ -12,7 +12,9 @@ breaks it):
   implemented"), so `gloo_groups_on_fake` makes those groups on the fake backend too.
 - DDP's buffers and the distributed optimizer allocate with explicit devices
   (`torch.cuda.current_device()`, `device='cuda'`); `MetaAllocation` sends every such allocation to
-  the meta device, so a 671B model's buffers cost shapes, not memory.
+  the meta device, so a 671B model's buffers cost shapes, not memory. The distributed optimizer's
+  checkpoint state (megarl.engine.checkpointing) copies through the host (`.cpu()`, `.cuda()`): a
+  meta tensor stays itself there.
 """
 from __future__ import annotations
 
@@ -96,4 +98,6 @@ class MetaAllocation(TorchFunctionMode):
             kwargs = dict(kwargs, pin_memory=False)
         if func is torch.Tensor.to and len(args) > 1 and not isinstance(args[1], torch.dtype):
             args = (args[0], "meta", *args[2:])
+        if func in (torch.Tensor.cpu, torch.Tensor.cuda) and args[0].is_meta:
+            return args[0]  # the optimizer's checkpoint state gathers through host copies (`.cpu()`)
         return func(*args, **kwargs)

@@ -13,13 +13,22 @@ optimizer state by dtype, beside the planner's figures for the same rank (megarl
 Ranks with the same model-parallel coordinates (pp, tp, cp, ep, etp) build the same shards: one
 build stands for them all (the report lists them; their optimizer shards differ in position only).
 
+It also makes the weight-sync plan into the rollout layout with the 3D-HybridEngine's own planner
+(megarl.tools.dryrun_sync; needs one built rank per pipeline stage) and lists the pieces each rank
+writes in a checkpoint save (megarl.tools.dryrun_checkpoint).
+
 It checks, and fails with one line naming the rank (exit 1): Megatron's groups agree with megarl's
 rank map; every layer on exactly one pipeline stage (virtual stages included); every expert on
 exactly one expert-parallel rank of its stage; with every rank built, the unique parameters over
-all ranks sum to the count from config.json. A config or layout that cannot work is refused before
-anything is built, with the trainer's own checks (one line, exit 2). Exit 0 otherwise.
-`--json` writes the report: world_size, total_unique_parameters, parameters_from_config and ranks
-(rank, stands_for, coordinates, param_bytes, grad_bytes, optimizer_bytes, planner, roles).
+all ranks sum to the count from config.json; the weight-sync plan covers every rollout shard
+exactly once; no checkpoint piece is written by two ranks (with every rank built: each tensor's
+pieces fill it). A config or layout that cannot work is refused before anything is built, with the
+trainer's own checks (one line, exit 2). Exit 0 otherwise.
+`--json` writes the report: world_size, total_unique_parameters, parameters_from_config,
+weight_sync, checkpoint and ranks (rank, stands_for, coordinates, param_bytes, grad_bytes,
+optimizer_bytes, planner, roles, sync_recv_bytes, sync_send_bytes, sync_bound_bytes,
+sync_needed_bytes, planner_sync_recv_bytes_max, checkpoint_bytes, checkpoint_gather_bytes,
+checkpoint_shards).
 """
 from __future__ import annotations
 

@@ -99,11 +99,20 @@ def vocab_padding(spec, tp: int) -> int:
 
 
 def report(cfg, model_dir: str, layout, builds: list[tuple[RankBuild, list[int]]], complete: bool) -> dict:
-    """The JSON report; with every rank built (`complete`), the parameter-sum invariant."""
+    """The JSON report; with every rank built (`complete`), the parameter-sum invariant; the
+    weight-sync plan's cover (every stage built) and the checkpoint's written-once invariants."""
+    from megarl.tools import dryrun_checkpoint, dryrun_sync
+
     spec = _spec(model_dir)
     _check_cover(builds, layout, spec, complete)
     from_config = parameters_from_config(model_dir)
     planner = planner_figures(cfg, model_dir, layout)
+    sync_plan, sync = dryrun_sync.plan_sync(cfg, layout, spec, builds)
+    if sync_plan is not None:
+        dryrun_sync.check_sync_cover(sync_plan)
+    sync_by_rank, planner_sync = dryrun_sync.per_rank(sync_plan), dryrun_sync.planner_sync(cfg, model_dir, layout)
+    checkpoint_by_rank, checkpoint = dryrun_checkpoint.per_rank(builds, layout, complete)
+    no_plan = dict.fromkeys(("sync_recv_bytes", "sync_send_bytes", "sync_bound_bytes", "sync_needed_bytes"))
     ranks, unique, unique_by_stage = [], 0, defaultdict(int)
     for build, members in builds:
         actor = build.roles[0]
@@ -117,6 +126,8 @@ def report(cfg, model_dir: str, layout, builds: list[tuple[RankBuild, list[int]]
                           "coordinates": {"pp": c.pp, "tp": c.tp, "cp": c.cp, "dp": c.dp, "ep": c.ep, "etp": c.etp, "edp": c.edp},
                           "layers": build.chunk_layers, **built, "planner": plan,
                           "planner_difference": {k: _relative(plan[k], v) for k, v in built.items()},
+                          **sync_by_rank.get(r, no_plan), "planner_sync_recv_bytes_max": planner_sync,
+                          **checkpoint_by_rank[r],
                           "roles": {role.role: role.as_dict() for role in build.roles}})
     ranks.sort(key=lambda e: e["rank"])
     padding = vocab_padding(spec, layout.tp)
@@ -126,7 +137,8 @@ def report(cfg, model_dir: str, layout, builds: list[tuple[RankBuild, list[int]]
                              f"config.json gives {from_config:,}: a difference of {unique - padding - from_config:,}{worst}")
     return {"world_size": layout.world_size, "layout": layout.describe(), "model": spec.family,
             "total_unique_parameters": unique - padding if complete else None, "vocabulary_padding_parameters": padding,
-            "parameters_from_config": from_config, "ranks_built": len(builds), "ranks": ranks,
+            "parameters_from_config": from_config, "ranks_built": len(builds), "weight_sync": sync,
+            "checkpoint": checkpoint, "ranks": ranks,
             "planner_outside_tolerance": [e["rank"] for e in ranks
                                           if any(abs(d) > PLANNER_TOLERANCE for d in e["planner_difference"].values() if d is not None)]}
 
@@ -155,7 +167,7 @@ def render(report: dict) -> str:
     """One line per build, then the totals."""
     lines = [f"dry run of {report['model']} at {report['layout']}: {report['ranks_built']} builds for {len(report['ranks'])} ranks",
              f"{'rank':>6} {'stands for':>10} {'pp':>3} {'ep':>3} {'layers':>9}  {'params GiB':>17} {'grads GiB':>17} "
-             f"{'optimizer GiB':>17}   (built / planner)"]
+             f"{'optimizer GiB':>17}   (built / planner)  {'sync recv / bound GiB':>21} {'send GiB':>8} {'ckpt GiB':>8}"]
     for e in report["ranks"]:
         if e["stands_for"] is None:
             continue
@@ -163,7 +175,10 @@ def render(report: dict) -> str:
         span = f"{min(layers)}-{max(layers)}" if layers else "-"
         cells = " ".join(f"{e[k] / GIB:8.2f}/{e['planner'][k] / GIB:8.2f}" for k in ("param_bytes", "grad_bytes", "optimizer_bytes"))
         c = e["coordinates"]
-        lines.append(f"{e['rank']:>6} {len(e['stands_for']):>10} {c['pp']:>3} {c['ep']:>3} {span:>9}  {cells}")
+        sync = (f"{e['sync_recv_bytes'] / GIB:10.2f}/{e['sync_bound_bytes'] / GIB:10.2f} {e['sync_send_bytes'] / GIB:8.2f}"
+                if e["sync_recv_bytes"] is not None else f"{'-':>21} {'-':>8}")
+        lines.append(f"{e['rank']:>6} {len(e['stands_for']):>10} {c['pp']:>3} {c['ep']:>3} {span:>9}  {cells}"
+                     f"{'':22}{sync} {e['checkpoint_bytes'] / GIB:8.2f}")
     total = report["total_unique_parameters"]
     lines.append(f"parameters: config.json {report['parameters_from_config']:,}; "
                  + (f"built, unique over all ranks {total:,} (+ {report['vocabulary_padding_parameters']:,} vocabulary padding): "
@@ -171,5 +186,22 @@ def render(report: dict) -> str:
     off = report["planner_outside_tolerance"]
     lines.append("planner: within 2% of the built bytes on every rank" if not off else
                  f"planner: more than 2% off the built bytes on ranks {off[:16]}{'...' if len(off) > 16 else ''} (see planner_difference)")
+    sync = report["weight_sync"]
+    if sync["planned"]:
+        worst = max(report["ranks"], key=lambda e: e["sync_recv_bytes"])
+        lines.append(f"weight sync ({sync['path']} path, rollout tp {sync['rollout_tp']}, {sync['buckets']} buckets): every "
+                     f"rollout shard covered once; most received: rank {worst['rank']}, {worst['sync_recv_bytes'] / GIB:.2f} GiB "
+                     f"(bound {worst['sync_bound_bytes'] / GIB:.2f}; planner {worst['planner_sync_recv_bytes_max'] / GIB:.2f})")
+        if "planner_differs" in sync:
+            lines.append(f"weight sync: {sync['planner_differs']}")
+    else:
+        lines.append(f"weight sync ({sync['path']} path, rollout tp {sync['rollout_tp']}): not planned: {sync['not_planned']}")
+    ckpt = report["checkpoint"]
+    most = max(report["ranks"], key=lambda e: e["checkpoint_bytes"])
+    lines.append(f"checkpoint: {ckpt['pieces']:,} sharded-tensor pieces, each written by one rank ({ckpt['written_once']}); "
+                 f"most written: rank {most['rank']}, {most['checkpoint_bytes'] / GIB:.2f} GiB; the optimizer gathers "
+                 f"{most['checkpoint_gather_bytes'] / GIB:.2f} GiB on its host while saving")
+    for problem in ckpt["problems"][:4]:
+        lines.append(f"checkpoint problem: {problem}")
     lines.append(f"wall time {report.get('wall_seconds', 0):.1f} s")
     return "\n".join(lines)

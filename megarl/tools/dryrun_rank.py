@@ -66,7 +66,9 @@ class RoleBuild:
 @dataclass
 class RankBuild:
     """What one rank built: its engines, the global layers of each of its model chunks (keyed by
-    virtual stage), the global experts of each of its MoE layers, the vocabulary rows it pads."""
+    virtual stage), the global experts of each of its MoE layers; the actor's weight-sync metadata
+    (megarl.hybrid.engine.shard_metadata rows) and its checkpoint's pieces (dryrun_checkpoint.Piece,
+    actor and critic) with the bytes the optimizers gather while saving and what would break the save."""
 
     rank: int
     coords: RankCoords
@@ -74,6 +76,10 @@ class RankBuild:
     chunk_layers: dict[int, list[int]]
     layer_experts: dict[int, list[int]]
     seconds: float = 0.0
+    sync_rows: list[tuple] = field(default_factory=list)
+    checkpoint_pieces: list = field(default_factory=list)
+    checkpoint_gather_bytes: int = 0
+    checkpoint_problems: list[str] = field(default_factory=list)
 
     def total(self, part: str) -> int:
         return sum(getattr(r, part).bytes for r in self.roles)
@@ -104,16 +110,37 @@ def build_rank(cfg, model_dir: str, world_size: int, rank: int) -> RankBuild:
     uses_ref = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
     if uses_ref and not (cfg.actor.lora.rank > 0 and not cfg.ref.separate_model):  # the trainer's rule (megarl/trainer.py)
         engines.append(("ref", MegatronEngine, dict(cfg=engine_config(cfg, "ref", t.total_steps), trainable=False)))
-    roles, chunk_layers, layer_experts = [], {}, {}
+    from megarl.tools.dryrun_checkpoint import CHECKPOINTED_ROLES, engine_pieces
+
+    build = RankBuild(rank, coords, [], {}, {})
     for role, cls, kwargs in engines:
         directory = cfg.critic.model_path if role == "critic" and cfg.critic.model_path else model_dir
         with fake_world.MetaAllocation():
             engine = cls(directory, dims, meta=True, **kwargs)
-            roles.append(_measure(role, engine))
-        if role == "actor":
-            chunk_layers, layer_experts = _placement(engine)
+            build.roles.append(_measure(role, engine))
+            if role in CHECKPOINTED_ROLES:
+                pieces, gathered, problems = engine_pieces(role, engine, dims.layout)
+                build.checkpoint_pieces += pieces
+                build.checkpoint_gather_bytes += gathered
+                build.checkpoint_problems += problems
+            if role == "actor":
+                build.chunk_layers, build.layer_experts = _placement(engine)
+                build.sync_rows = _sync_rows(engine)
         del engine
-    return RankBuild(rank, coords, roles, chunk_layers, layer_experts, time.perf_counter() - start)
+    build.seconds = time.perf_counter() - start
+    return build
+
+
+def _sync_rows(engine) -> list[tuple]:
+    """The actor's weight-sync metadata as the trainer hands it to the HybridEngine
+    (Trainer._actor_shards): a tied output layer is the embedding, streamed once. Under LoRA the
+    merged and the base shards have the same shapes; the base's are taken (no merge on meta)."""
+    from megarl.hybrid.engine import shard_metadata
+
+    shards = engine.base_weight_shards() if engine.lora else engine.local_weight_shards()
+    if engine.spec.tie_embeddings:
+        shards.pop("output_layer.weight", None)
+    return shard_metadata(shards)
 
 
 def _check_groups(dims, coords: RankCoords) -> None:

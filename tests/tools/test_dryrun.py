@@ -10,6 +10,7 @@ same way inside the test).
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -74,6 +75,26 @@ def test_tiny_deepseek_every_rank_sums_to_transformers_count(tmp_path, tiny_moe_
             assert e[key] > 0 and abs(e["planner"][key] - e[key]) <= 0.02 * e[key], (e["rank"], key)
     # ranks differing only in dp share a build; each optimizer shard holds 1/dp of the dense state
     assert sum(1 for e in rep["ranks"] if e["stands_for"]) < 8
+    # The weight sync into the hf engine (full tensors on every rank): each rank needs the whole
+    # model and receives exactly what its stage does not hold (the plan's bound); what is sent is
+    # what is received.
+    sync = rep["weight_sync"]
+    assert sync["planned"] and sync["path"] == "full" and sync["rollout_tp"] == 1
+    for e in rep["ranks"]:
+        assert e["sync_needed_bytes"] == sync["model_bytes"] and e["sync_recv_bytes"] == e["sync_bound_bytes"] > 0, e["rank"]
+    assert sum(e["sync_send_bytes"] for e in rep["ranks"]) == sum(e["sync_recv_bytes"] for e in rep["ranks"])
+    # The checkpoint: over all ranks the written model pieces are the model once (the same bytes
+    # the sync streams), the optimizer's three fp32 tensors per trainable element (not the 3 x 8
+    # routers' expert biases, buffers).
+    assert rep["checkpoint"]["written_once"] == "checked over every rank" and rep["checkpoint"]["problems"] == []
+    shards = [s for e in rep["ranks"] for s in e["checkpoint_shards"]]
+    model = [s for s in shards if "/optimizer." not in s[0]]
+    assert sum(math.prod(s[2]) for s in model) == rep["total_unique_parameters"]
+    assert sum(s[4] for s in model) == sync["model_bytes"]
+    assert sum(math.prod(s[2]) for s in shards if "/optimizer." in s[0]) == 3 * (rep["total_unique_parameters"] - 24)
+    assert sum(e["checkpoint_bytes"] for e in rep["ranks"]) == sum(s[4] for s in shards) == rep["checkpoint"]["bytes"]
+    # dense pieces on the first data-parallel replica only (ranks 0 and 4 hold dp 0), experts on expert-DP 0
+    assert [e["rank"] for e in rep["ranks"] if e["checkpoint_bytes"]] == [0, 4, 5]
 
 
 def test_tiny_vpp_tp2_lora(tmp_path):
@@ -119,6 +140,17 @@ def test_shipped_config_at_its_world_size(tmp_path, config, model, world, ranks)
     for e in rep["ranks"]:
         for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
             assert abs(e["planner"][key] - e[key]) <= 0.02 * e[key], (e["rank"], key)
+    # the checkpoint: no piece written twice over these ranks, rank 0 (first replica) writes;
+    # the weight-sync plan needs every stage (all of them for llama's single stage, else not planned)
+    assert rep["ranks"][0]["checkpoint_bytes"] > 0
+    for problem in rep["checkpoint"]["problems"]:  # GLM-4.5's qkv bias beside float32 norms (dryrun_checkpoint)
+        assert model == "glm-4.5" and "mixing float32 and bfloat16 parameters" in problem, problem
+    assert rep["weight_sync"]["planned"] == (model == "llama-3-70b-instruct")
+    if rep["weight_sync"]["planned"]:  # LoRA into vLLM: the frozen base once as full tensors (tp8 -> 1/8 held)
+        assert rep["weight_sync"]["path"] == "adapter"
+        for e in rep["ranks"]:
+            assert e["sync_recv_bytes"] == e["sync_bound_bytes"]
+            assert 0.87 < e["sync_recv_bytes"] / e["sync_needed_bytes"] < 0.875  # 7/8 of it, less the whole norms held
 
 
 # --- layouts that cannot work: one line, exit 2, before any model is built ------------------------
@@ -210,3 +242,84 @@ def test_a_shard_missing_from_the_sum_names_its_stage(tmp_path, tiny_moe_671b_mo
     assert code == 1 and rep is None
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "stage 0 (ranks from 0) holds" in err[0], err
+
+
+# --- the weight-sync plan and the checkpoint: the invariants fail on a corrupted plan / save -------
+def _small_plan():
+    """The real planner on 4 ranks (tp2 x dp2) into rollout tp 1: w (8, 4) split in rows over TP,
+    norm (4,) whole; each rank holds half of w and needs all of it, from its TP peer."""
+    from megarl.hybrid.plan import build_specs, make_plan
+    from megarl.layout import ParallelLayout, RolloutLayout, assign_rollout
+
+    layout = ParallelLayout.for_world(4, tp=2)
+    meta = [[("w", (8, 4), "torch.float32", 0, layout.coords(r).tp, 2, 1, (4, 4)),
+             ("norm", (4,), "torch.float32", None, layout.coords(r).tp, 2, 1, (4,))] for r in range(4)]
+    return make_plan(build_specs(meta), layout, assign_rollout(layout, RolloutLayout(tp=1)), 1, 1 << 20)
+
+
+def test_sync_cover_fails_on_a_corrupted_plan():
+    """The plan as made covers every rollout shard once; without one of its ops, or with one twice,
+    the check fails with one line naming a rank."""
+    import copy
+
+    from megarl.tools.dryrun_sync import check_sync_cover, per_rank
+
+    plan = _small_plan()
+    check_sync_cover(plan)
+    # hand-worked: each rank receives the other half of w, 4 x 4 fp32 = 64 bytes, which is its bound
+    assert {r: (e["sync_recv_bytes"], e["sync_send_bytes"], e["sync_bound_bytes"]) for r, e in per_rank(plan).items()} == {
+        r: (64, 64, 64) for r in range(4)}
+    dropped = copy.deepcopy(plan)
+    lost = dropped.buckets[0].ops.pop(0)
+    with pytest.raises(InvariantError, match=rf"^rank {lost.participants[0]}: the weight-sync plan leaves part of its "
+                                             r"rollout shard of w unsent"):
+        check_sync_cover(dropped)
+    twice = copy.deepcopy(plan)
+    twice.buckets[0].ops.append(copy.deepcopy(twice.buckets[0].ops[0]))
+    with pytest.raises(InvariantError, match=r"^rank \d: the weight-sync plan gives it units \d-\d \(rows 0-4\) of w twice"):
+        check_sync_cover(twice)
+
+
+def test_checkpoint_piece_written_twice_names_the_rank():
+    from megarl.tools.dryrun_checkpoint import Piece, check_written_once
+
+    piece = Piece("actor/model.w", (0, 0), (2, 2), (2, 4), "float32", 16, (0, 0), False)
+    with pytest.raises(InvariantError, match=r"^rank 3: writes checkpoint piece actor/model.w at \[0, 0\], which rank 1"):
+        check_written_once({("actor/model.w", (0, 0)): [1, 3]}, {"actor/model.w": [piece]}, complete=False)
+    with pytest.raises(InvariantError, match=r"checkpoint tensor actor/model.w: its pieces written by the ranks cover 4 of 8"):
+        check_written_once({("actor/model.w", (0, 0)): [1]}, {"actor/model.w": [piece]}, complete=True)
+
+
+def test_checkpoint_pieces_are_megatrons_own(tiny_moe_671b_models):
+    """The optimizer pieces the dry run derives (dryrun_checkpoint.engine_pieces) are those Megatron's
+    distributed optimizer builds for the save (fully_reshardable), on an MoE stage with experts."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    from megarl.config import load_config
+    from megarl.engine.checkpointing import _sharded_state_dict
+    from megarl.engine.engine import MegatronEngine
+    from megarl.parallel import ParallelDims
+    from megarl.platform import fake_world, init_platform
+    from megarl.tools.dryrun_checkpoint import engine_pieces
+    from megarl.trainer import engine_config
+
+    model = tiny_moe_671b_models["deepseek_v3"]
+    cfg = load_config(TINY_CONFIG, TINY + [f"model.path={model}"])
+    init_platform(force_cpu=True)
+    fake_world.enter(5, 8)  # stage 1 of pp2, ep rank 1: the experts 4-7 of layers 2 and 3
+    try:
+        dims = ParallelDims(world_size=8, pp=2, ep=2).initialize()
+        with fake_world.MetaAllocation():
+            engine = MegatronEngine(str(model), dims, engine_config(cfg, "actor", 1), meta=True)
+            pieces, _, problems = engine_pieces("actor", engine, dims.layout)
+            state = _sharded_state_dict(engine, is_loading=False)
+        apply_factories(state)
+        real = sorted((t.key.split("optimizer.", 1)[-1].removeprefix("state."), tuple(t.global_offset), tuple(t.local_shape),
+                       str(t.dtype).removeprefix("torch."), tuple(t.replica_id))
+                      for t in nested_values(state) if isinstance(t, ShardedTensor))
+    finally:
+        fake_world.leave()
+    ours = sorted((p.key.removeprefix("actor/").split("optimizer.", 1)[-1].removeprefix("state."), p.offset, p.shape, p.dtype,
+                   p.replica_prefix + (dims.layout.coords(5).edp if p.expert else dims.layout.replica(5),)) for p in pieces)
+    assert problems == [] and len(ours) > 100 and ours == real
