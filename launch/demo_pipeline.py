@@ -11,7 +11,8 @@
 After each stage its export is measured: greedy exact match on the held-out prompts (megarl.tools.
 eval_exact_match; the student's also as a fraction of its teacher's), for the reward model pairwise accuracy
 on held-out pairs, scored by transformers and by megarl (megarl.tools.eval_reward_model). Each stage's wall
-time and figure go to <out>/pipeline.json. Rerunning resumes each finished stage (trainer.resume=auto), so only the exports and measurements run again.
+time and figure go to <out>/pipeline.json. Rerunning resumes each finished stage (trainer.resume=auto), so
+only the exports and measurements run again.
 
     python launch/demo_pipeline.py [--nproc 2] [--out runs/pipeline]
 """
