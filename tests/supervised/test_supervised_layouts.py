@@ -1,7 +1,9 @@
-"""SFT and reward-model training log the same metrics at tp2 with SP, pp2, dp2 and cp2 as in one process for
-3 steps (1e-4), and resume exactly (dp2's step-2 checkpoint, continued at pp2, gives one process's step 3);
-the reward model's export is scored by transformers as megarl scores it (1e-4). One 2-rank launch runs
-every layout of both stages (supervised_layout_worker.py); the one-process reference runs in this process."""
+"""SFT and reward-model training log the same metrics under every layout as in one process for 3 steps (1e-4):
+the dense model at tp2 with SP, pp2, dp2, cp2 and cp2 x tp2 with SP (4 ranks); a tiny MoE model at pp2 x vpp2
+(interleaved 1F1B) and at ep2; LoRA adapters at tp2 with SP; and they resume exactly (dp2's step-2 checkpoint,
+continued at pp2, gives one process's step 3). The reward model's export is scored by transformers as megarl
+scores it (1e-4). Each set of layouts is one job of a shared test world (supervised_layout_worker.py); the
+one-process references run in this process, one per model variant."""
 from __future__ import annotations
 
 import json
@@ -11,49 +13,83 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from supervised_helpers import COMPARED, STEPS, config, make_inputs, train  # noqa: E402
+from supervised_helpers import COMPARED, STEPS, VARIANTS, config, make_inputs, make_moe_model, train  # noqa: E402
 
 from conftest import torchrun  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
+# set of supervised_layout_worker.py -> its ranks and the (variant, layout) pairs it runs
+SETS = {"base": (2, [("dense", "tp2_sp"), ("dense", "pp2"), ("dense", "dp2"), ("dense", "cp2"),
+                     ("dense", "resumed_pp2_from_dp2")]),
+        "more": (2, [("moe", "pp2_vpp2"), ("moe", "ep2"), ("lora", "tp2_sp")]),
+        "cp_sp": (4, [("dense", "cp2_tp2_sp")])}
+
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, world_of_one):
+def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("supervised")
-    inputs = make_inputs(root)
+    inputs = {**make_inputs(root), "moe_model": make_moe_model(root)}
     (root / "inputs.json").write_text(json.dumps(inputs))
-    reference = {stage: train(config(inputs, stage, str(root / f"{stage}_one")), world_of_one, stage)
-                 for stage in ("sft", "reward_model")}
-    torchrun(2, [str(Path(__file__).parent / "supervised_layout_worker.py"), "--inputs", str(root / "inputs.json"),
-                 "--work", str(root / "layouts"), "--out", str(root / "layouts.json")], timeout=900)
-    layouts = json.loads((root / "layouts.json").read_text())
-    return root, inputs, reference, layouts
+    return root, inputs
+
+
+@pytest.fixture(scope="module")
+def reference(inputs, world_of_one):
+    """One process's metrics by step for (stage, variant), each run once, when first asked for."""
+    root, inputs_ = inputs
+    runs: dict[tuple[str, str], dict] = {}
+
+    def get(stage: str, variant: str) -> dict[int, dict]:
+        if (stage, variant) not in runs:
+            cfg = config(inputs_, stage, str(root / f"{stage}_{variant}_one"), *VARIANTS[variant](inputs_, stage))
+            runs[stage, variant] = train(cfg, world_of_one, stage)
+        return runs[stage, variant]
+    return get
+
+
+@pytest.fixture(scope="module")
+def layouts(inputs):
+    """The worker's metrics of one set, the set's job run once, when first asked for."""
+    root, _ = inputs
+    done: dict[str, dict] = {}
+
+    def get(name: str) -> dict:
+        if name not in done:
+            out = root / f"layouts_{name}.json"
+            torchrun(SETS[name][0], [str(Path(__file__).parent / "supervised_layout_worker.py"), "--inputs",
+                                     str(root / "inputs.json"), "--set", name, "--work", str(root / f"layouts_{name}"),
+                                     "--out", str(out)], timeout=900)
+            done[name] = json.loads(out.read_text())
+        return done[name]
+    return get
 
 
 @pytest.mark.parametrize("stage", ["sft", "reward_model"])
-@pytest.mark.parametrize("layout", ["tp2_sp", "pp2", "dp2", "cp2", "resumed_pp2_from_dp2"])
-def test_layout_matches_one_process(runs, stage, layout):
-    _, _, reference, layouts = runs
-    ran = {int(step): metrics for step, metrics in layouts[f"{stage}/{layout}"].items()}
+@pytest.mark.parametrize("set_,variant,layout", [(name, v, lay) for name, (_, pairs) in SETS.items() for v, lay in pairs],
+                         ids=lambda x: x if isinstance(x, str) else None)
+def test_layout_matches_one_process(reference, layouts, stage, set_, variant, layout):
+    one = reference(stage, variant)
+    ran = {int(step): metrics for step, metrics in layouts(set_)[f"{stage}/{variant}/{layout}"].items()}
     steps = [STEPS] if layout.startswith("resumed") else list(range(1, STEPS + 1))
     assert sorted(ran) == steps
     for step in steps:
         for name in COMPARED[stage]:
-            assert ran[step][name] == pytest.approx(reference[stage][step][name], abs=1e-4), (step, name)
+            assert ran[step][name] == pytest.approx(one[step][name], abs=1e-4), (step, name)
     # the metrics move: the comparison is not of constants
-    assert reference[stage][1][COMPARED[stage][0]] != pytest.approx(reference[stage][STEPS][COMPARED[stage][0]], abs=1e-3)
+    assert one[1][COMPARED[stage][0]] != pytest.approx(one[STEPS][COMPARED[stage][0]], abs=1e-3)
 
 
-def test_reward_model_export_is_scored_alike_by_transformers(runs, world_of_one):
+def test_reward_model_export_is_scored_alike_by_transformers(inputs, reference, world_of_one):
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from megarl.rewards.model import RewardModel
 
-    root, inputs, _, _ = runs
+    root, inputs = inputs
+    reference("reward_model", "dense")  # its checkpoints
     out = root / "rm_hf"
-    torchrun(0, ["-m", "megarl.tools.export_hf", "--ckpt", str(root / "reward_model_one" / "checkpoints" / f"step_{STEPS:08d}"),
+    torchrun(0, ["-m", "megarl.tools.export_hf", "--ckpt", str(root / "reward_model_dense_one" / "checkpoints" / f"step_{STEPS:08d}"),
                  "--out", str(out), "--model", inputs["model"]], timeout=300)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForSequenceClassification"] and config["num_labels"] == 1
