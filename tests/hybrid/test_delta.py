@@ -75,8 +75,8 @@ def test_nan_and_signed_zero_count_as_changes():
 
 @pytest.mark.parametrize("fraction,encoding", [(0.01, delta.INDICES), (0.10, delta.FULL)])
 def test_time_break_even_sends_a_dense_cpu_segment_whole(fraction, encoding):
-    # 2**17 bf16 elements: 2048 sampled at stride 64, past _MIN_SAMPLES. At 10% changed the bytes
-    # rule alone would pick BITMASK; on CPU the sample (about 10% > 1/32) sends it whole instead.
+    # 2**17 bf16 elements: 8 blocks of 256 (2048) sampled, past _MIN_SAMPLES. At 10% changed the bytes
+    # rule alone would pick BITMASK; on CPU the sample (about 10% > 1/16) sends it whole instead.
     g = torch.Generator().manual_seed(1)
     old_t = torch.randn(2 ** 17, generator=g).bfloat16()
     moved = torch.rand(old_t.shape, generator=g) < fraction
