@@ -39,11 +39,13 @@ import torch
 import torch.distributed as dist
 
 from megarl.algorithms.losses import policy_loss
+from megarl.hybrid import delta
 from megarl.hybrid.engine import HybridEngine
 from megarl.hybrid.layout import RolloutLayout, TrainLayout
 from megarl.models.sharding import ShardMeta
 
 TRAIN = TrainLayout(2, 1, 1, 1)
+BREAK_EVEN = delta.TIME_BREAK_EVEN_FRACTION
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")  # NCCL there, else gloo
 
 
@@ -125,7 +127,11 @@ def local_shards(full: dict[str, torch.Tensor], rank: int):
     return shards
 
 
-def timed_stream(engine: HybridEngine, shards) -> tuple[dict[str, torch.Tensor], float]:
+MODES = ("full", "delta", "delta_bytes_rule")
+
+
+def timed_stream(engine: HybridEngine, shards, mode: str) -> tuple[dict[str, torch.Tensor], float]:
+    delta.TIME_BREAK_EVEN_FRACTION = float("inf") if mode == "delta_bytes_rule" else BREAK_EVEN
     dist.barrier()
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
@@ -156,34 +162,44 @@ def run_one(kind: str, lr: float, args, rank: int) -> dict:
     shards = local_shards(rollout_weights(names_shapes, model, rank), rank)
     bucket = int(args.bucket_mb * 2**20)
     # full_every past the run: only the first sync of the delta engine is full
-    engines = {mode: HybridEngine(shards, train=TRAIN, rollout=RolloutLayout(1), bucket_bytes=bucket, mode=mode,
-                                  full_every=args.steps + 2) for mode in ("full", "delta")}
-    for mode in ("full", "delta"):  # the first sync: full in both
-        timed_stream(engines[mode], shards)
+    # "delta_bytes_rule": delta with the CPU time break-even off (the encoding chosen by bytes
+    # alone, as before issue 42), timed interleaved with the other two in the same run
+    engines = {mode: HybridEngine(shards, train=TRAIN, rollout=RolloutLayout(1), bucket_bytes=bucket,
+                                  mode="full" if mode == "full" else "delta", full_every=args.steps + 2) for mode in MODES}
+    for mode in MODES:  # the first sync: full in all
+        timed_stream(engines[mode], shards, mode)
     rows = []
     for step in range(1, args.steps + 1):
         loss = ppo_update(model, opt, step, args.batch, args.seq, vocab[0]) if rank == 0 else 0.0
         shards = local_shards(rollout_weights(names_shapes, model, rank), rank)
-        order = ("full", "delta") if step % 2 else ("delta", "full")
+        order = MODES[step % 3:] + MODES[:step % 3]  # each mode first, middle and last in turn
         got, seconds = {}, {}
         for mode in order:
-            got[mode], seconds[mode] = timed_stream(engines[mode], shards)
-        for name, t in got["full"].items():
-            if not torch.equal(t.view(torch.int16), got["delta"][name].view(torch.int16)):
-                raise AssertionError(f"{kind} lr {lr} step {step}: delta {name} differs from the full sync's")
-        d, f = engines["delta"].last_stats, engines["full"].last_stats
-        full_b, delta_b, full_s, delta_s, changed = max_over_ranks(
-            [f.bytes_received, d.bytes_received, seconds["full"], seconds["delta"], d.changed_fraction])
+            got[mode], seconds[mode] = timed_stream(engines[mode], shards, mode)
+        for mode in MODES[1:]:
+            for name, t in got["full"].items():
+                if not torch.equal(t.view(torch.int16), got[mode][name].view(torch.int16)):
+                    raise AssertionError(f"{kind} lr {lr} step {step}: {mode} {name} differs from the full sync's")
+        d, f, b = engines["delta"].last_stats, engines["full"].last_stats, engines["delta_bytes_rule"].last_stats
+        full_b, delta_b, full_s, delta_s, changed, rule_b, rule_s = max_over_ranks(
+            [f.bytes_received, d.bytes_received, seconds["full"], seconds["delta"], d.changed_fraction,
+             b.bytes_received, seconds["delta_bytes_rule"]])
         rows.append(dict(step=step, loss=loss, full_bytes=int(full_b), delta_bytes=int(delta_b), full_s=round(full_s, 4),
-                         delta_s=round(delta_s, 4), changed_fraction=round(changed, 5)))
+                         delta_s=round(delta_s, 4), changed_fraction=round(changed, 5),
+                         bytes_rule_bytes=int(rule_b), bytes_rule_s=round(rule_s, 4)))
         if rank == 0:
-            print(f"{kind} lr {lr:g} step {step}: changed {changed:.4f}, bytes {delta_b / full_b:.3f} of full, "
-                  f"seconds {delta_s:.3f} vs {full_s:.3f}", flush=True)
+            print(f"{kind} lr {lr:g} step {step}: changed {changed:.4f}, bytes {delta_b / full_b:.3f} of full "
+                  f"(bytes rule {rule_b / full_b:.3f}), seconds {delta_s:.3f} (bytes rule {rule_s:.3f}) vs {full_s:.3f}", flush=True)
     total_full, total_delta = sum(r["full_bytes"] for r in rows), sum(r["delta_bytes"] for r in rows)
     copy_bytes = max_over_ranks([engines["delta"].delta_copy_bytes()])[0]
     return dict(steps=rows, full_bytes_per_sync=total_full / len(rows), delta_bytes_per_sync=total_delta / len(rows),
                 bytes_over_full=round(total_delta / total_full, 4),
                 seconds_over_full=round(sum(r["delta_s"] for r in rows) / sum(r["full_s"] for r in rows), 4),
+                bytes_rule_bytes_over_full=round(sum(r["bytes_rule_bytes"] for r in rows) / total_full, 4),
+                bytes_rule_seconds_over_full=round(sum(r["bytes_rule_s"] for r in rows) / sum(r["full_s"] for r in rows), 4),
+                # spread of the per-sync time ratios (the machine is shared: one sync can be 2x off)
+                seconds_over_full_per_sync=[round(r["delta_s"] / r["full_s"], 3) for r in rows],
+                bytes_rule_seconds_over_full_per_sync=[round(r["bytes_rule_s"] / r["full_s"], 3) for r in rows],
                 median_full_s=statistics.median(r["full_s"] for r in rows), median_delta_s=statistics.median(r["delta_s"] for r in rows),
                 changed_fraction_mean=round(statistics.mean(r["changed_fraction"] for r in rows), 5),
                 copy_bytes_per_rank=int(copy_bytes), model_bf16_bytes=sum(2 * torch.Size(s).numel() for _, s in names_shapes))
@@ -217,10 +233,13 @@ def main(argv=None) -> None:
                    rollout_dtype="bfloat16", master_dtype="float32", steps=args.steps, bytes_over_full=by_lr,
                    seconds_over_full={f"{lr:g}": round(sum(results[k][f'{lr:g}']['median_delta_s'] for k in results)
                                                        / sum(results[k][f'{lr:g}']['median_full_s'] for k in results), 4) for lr in lrs},
+                   # the same medians for delta with the byte rule alone (no CPU time break-even)
+                   bytes_rule_seconds_over_full={f"{lr:g}": round(sum(statistics.median(r["bytes_rule_s"] for r in results[k][f'{lr:g}']["steps"]) for k in results)
+                                                                  / sum(results[k][f'{lr:g}']['median_full_s'] for k in results), 4) for lr in lrs},
                    models=results, note="wall seconds on a shared, loaded 2-core machine: noisy")
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-        print(json.dumps({k: out[k] for k in ("bytes_over_full", "seconds_over_full")}))
+        print(json.dumps({k: out[k] for k in ("bytes_over_full", "seconds_over_full", "bytes_rule_seconds_over_full")}))
     dist.destroy_process_group()
 
 

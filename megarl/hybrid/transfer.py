@@ -327,7 +327,7 @@ class PlanRunner:
         stats.bytes_received += delta.HEADER_BYTES + nbytes
         stats.full_bytes_received += nbytes_full
         stats.elements_received += elements
-        stats.changed_received += changed  # the sender's count: a segment past the break-even goes whole but says how much moved
+        stats.changed_received += changed  # the sender's count (estimated from a sample when the CPU time rule sent the segment whole)
         return held_in
 
 

@@ -71,3 +71,27 @@ def test_nan_and_signed_zero_count_as_changes():
     receiver = seg_old.clone()
     delta.apply(receiver, enc.encoding, enc.changed, enc.payload, pieces)
     assert torch.equal(receiver, seg_new)
+
+
+@pytest.mark.parametrize("fraction,encoding", [(0.01, delta.INDICES), (0.10, delta.FULL)])
+def test_time_break_even_sends_a_dense_cpu_segment_whole(fraction, encoding):
+    # 2**17 bf16 elements: 8 blocks of 256 (2048) sampled, past _MIN_SAMPLES. At 10% changed the bytes
+    # rule alone would pick BITMASK; on CPU the sample (about 10% > 1/16) sends it whole instead.
+    g = torch.Generator().manual_seed(1)
+    old_t = torch.randn(2 ** 17, generator=g).bfloat16()
+    moved = torch.rand(old_t.shape, generator=g) < fraction
+    new_t = torch.where(moved, (old_t.float() * 1.05).to(old_t.dtype), old_t)
+    old, pieces = _segment([old_t])
+    new, _ = _segment([new_t])
+    changed = int((old != new).view(-1, 2).any(1).sum())
+    assert delta.choose_encoding(2 ** 17, changed, 2 * changed, new.numel())[0] != delta.FULL
+    enc = delta.encode(new, old, pieces)
+    assert enc.encoding == encoding
+    if encoding == delta.FULL:
+        assert enc.payload is None
+        assert abs(enc.changed - changed) < 0.2 * changed  # the sample's estimate, for the metrics
+        return
+    assert enc.changed == changed
+    receiver = old.clone()
+    delta.apply(receiver, enc.encoding, enc.changed, enc.payload, pieces)
+    assert torch.equal(receiver, new)
