@@ -14,7 +14,7 @@ on held-out pairs, scored by transformers and by megarl (megarl.tools.eval_rewar
 time and figure go to <out>/pipeline.json. Rerunning resumes each finished stage (trainer.resume=auto), so
 only the exports and measurements run again.
 
-    python launch/demo_pipeline.py [--nproc 2] [--out runs/pipeline]
+    python launch/demo_pipeline.py [--nproc 2] [--out runs/pipeline] [--seed N]
 """
 from __future__ import annotations
 
@@ -49,7 +49,11 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--out", default="runs/pipeline")
     p.add_argument("--ppo-steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=None,
+                   help="every stage's trainer.seed and tiny-model init seed (default: each config's own)")
     args = p.parse_args(argv)
+    # a seed for the data order, sampling and the random init of the models made from scratch (SFT's start, the student)
+    seeded = [] if args.seed is None else [f"trainer.seed={args.seed}", f"model.make_tiny.seed={args.seed}"]
     py, out = sys.executable, args.out
     torchrun = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
     results: dict[str, dict] = {}
@@ -79,12 +83,12 @@ def main(argv=None) -> int:
 
     sft_dir, rm_dir, ppo_dir = f"{out}/sft", f"{out}/rm", f"{out}/ppo"
     stage("sft", [*torchrun, "launch/sft.py", "--config", "configs/tiny_cpu_sft.yaml", f"trainer.run_dir={sft_dir}",
-                  f"data.train_files=[{out}/data/sft/train.parquet]", f"data.val_files=[{out}/data/sft/test.parquet]"],
+                  f"data.train_files=[{out}/data/sft/train.parquet]", f"data.val_files=[{out}/data/sft/test.parquet]", *seeded],
           lambda: exact_match(export(sft_dir, f"{sft_dir}/hf")))
     stage("rm", [*torchrun, "launch/reward_model.py", "--config", "configs/tiny_cpu_rm.yaml", f"trainer.run_dir={rm_dir}",
                  f"model.path={sft_dir}/hf", "model.make_tiny.enable=false",
                  f"data.train_files=[{out}/data/preference/train.parquet]",
-                 f"data.val_files=[{out}/data/preference/test.parquet]"],
+                 f"data.val_files=[{out}/data/preference/test.parquet]", *seeded],
           lambda: json.loads(run([py, "-m", "megarl.tools.eval_reward_model", "--model", export(rm_dir, f"{rm_dir}/hf"),
                                   "--data", f"{out}/data/preference/test.parquet"]).strip().splitlines()[-1]))
     # PPO from the SFT model against the learned reward model: GRPO as the demo, a tenth of its learning rate
@@ -92,7 +96,7 @@ def main(argv=None) -> int:
     stage("ppo", [*torchrun, "launch/ppo.py", "--config", "configs/tiny_cpu.yaml", f"trainer.run_dir={ppo_dir}",
                   f"model.path={sft_dir}/hf", "model.make_tiny.enable=false", "reward.kind=model",
                   f"reward.model_path={rm_dir}/hf", f"trainer.total_steps={args.ppo_steps}", "trainer.save_every_steps=10",
-                  "actor.optim.lr=5e-5", "actor.optim.min_lr=5e-6"],
+                  "actor.optim.lr=5e-5", "actor.optim.min_lr=5e-6", *seeded],
           lambda: exact_match(export(ppo_dir, f"{ppo_dir}/hf")))
 
     # The student is the distillation config's own tiny model (1 layer of the teacher's 2, same width), made in
@@ -107,7 +111,7 @@ def main(argv=None) -> int:
 
     stage("distill", [*torchrun, "launch/ppo.py", "--config", "configs/tiny_cpu_distill.yaml",
                       f"trainer.run_dir={distill_dir}", f"model.path={student}",
-                      f"algorithm.distill.teacher_path={ppo_dir}/hf"], distilled)
+                      f"algorithm.distill.teacher_path={ppo_dir}/hf", *seeded], distilled)
     print(json.dumps(results))
     return 0
 

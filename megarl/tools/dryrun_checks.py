@@ -188,12 +188,18 @@ def render(report: dict) -> str:
                  f"planner: more than 2% off the built bytes on ranks {off[:16]}{'...' if len(off) > 16 else ''} (see planner_difference)")
     sync = report["weight_sync"]
     if sync["planned"]:
-        worst = max(report["ranks"], key=lambda e: e["sync_recv_bytes"])
-        lines.append(f"weight sync ({sync['path']} path, rollout tp {sync['rollout_tp']}, {sync['buckets']} buckets): every "
-                     f"rollout shard covered once; most received: rank {worst['rank']}, {worst['sync_recv_bytes'] / GIB:.2f} GiB "
-                     f"(bound {worst['sync_bound_bytes'] / GIB:.2f}; planner {worst['planner_sync_recv_bytes_max'] / GIB:.2f})")
+        # separate placement: the training ranks only send; the rollout ranks (not built) receive
+        worst = max(sync.get("rollout_ranks") or report["ranks"], key=lambda e: e["sync_recv_bytes"])
+        lines.append(f"weight sync ({sync['path']} path, {sync['placement']}, rollout tp {sync['rollout_tp']}, {sync['buckets']} "
+                     f"buckets): every rollout shard covered once; most received: rank {worst['rank']}, "
+                     f"{worst['sync_recv_bytes'] / GIB:.2f} GiB (bound {worst['sync_bound_bytes'] / GIB:.2f}; "
+                     f"planner {report['ranks'][0]['planner_sync_recv_bytes_max'] / GIB:.2f})")
         if "planner_differs" in sync:
             lines.append(f"weight sync: {sync['planner_differs']}")
+        if sync.get("adapter_sync", {}).get("complete"):
+            a = sync["adapter_sync"]
+            lines.append(f"weight sync, every step after the first: the adapters, {a['adapter_bytes'] / GIB:.2f} GiB whole; "
+                         f"each rank receives up to {a['gather_bytes_received_per_rank_max'] / GIB:.2f} GiB gathering them")
     else:
         lines.append(f"weight sync ({sync['path']} path, rollout tp {sync['rollout_tp']}): not planned: {sync['not_planned']}")
     ckpt = report["checkpoint"]

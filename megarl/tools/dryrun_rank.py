@@ -80,6 +80,8 @@ class RankBuild:
     checkpoint_pieces: list = field(default_factory=list)
     checkpoint_gather_bytes: int = 0
     checkpoint_problems: list[str] = field(default_factory=list)
+    adapter_elements: int = 0  # the actor's LoRA adapter elements on this rank (its A and B shards)
+    adapter_full_elements: int = 0  # the same adapters whole (as full_adapters assembles them)
 
     def total(self, part: str) -> int:
         return sum(getattr(r, part).bytes for r in self.roles)
@@ -126,6 +128,7 @@ def build_rank(cfg, model_dir: str, world_size: int, rank: int) -> RankBuild:
             if role == "actor":
                 build.chunk_layers, build.layer_experts = _placement(engine)
                 build.sync_rows = _sync_rows(engine)
+                build.adapter_elements, build.adapter_full_elements = _adapter_elements(engine)
         del engine
     build.seconds = time.perf_counter() - start
     return build
@@ -141,6 +144,23 @@ def _sync_rows(engine) -> list[tuple]:
     if engine.spec.tie_embeddings:
         shards.pop("output_layer.weight", None)
     return shard_metadata(shards)
+
+
+def _adapter_elements(engine) -> tuple[int, int]:
+    """Elements of the LoRA adapters this rank's actor holds (its A and B shards, what
+    megarl.models.lora.full_adapters gathers) and of the same adapters whole (rank x (in + out))."""
+    from megarl.models.lora import LoraAdapter
+
+    held = whole = 0
+    for module in engine.modules:
+        for sub in module.modules():
+            adapter = getattr(sub, "lora", None)
+            if not isinstance(adapter, LoraAdapter):
+                continue
+            for name, part in adapter.adapters.items():
+                held += part.lora_A.numel() + part.lora_B.numel()
+                whole += part.lora_A.shape[0] * (adapter.in_size + adapter.out_sizes[adapter.names.index(name)])
+    return held, whole
 
 
 def _check_groups(dims, coords: RankCoords) -> None:

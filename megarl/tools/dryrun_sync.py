@@ -97,16 +97,61 @@ def plan_sync(cfg, layout, spec, builds: list[tuple[RankBuild, list[int]]]) -> t
         summary["planner_differs"] = (f"the planner's sync figure assumes rollout tp {cfg.rollout.tp} shards on the micro-DP "
                                       f"grouping; this run sends the {path} path's rollout tp {rollout.tp} "
                                       f"({rollout.grouping}) layout")
+    if path == "adapter":
+        summary["adapter_sync"] = adapter_sync(builds, layout)
     metadata = rank_metadata(builds, layout, spec)
     if metadata is None:
         summary["planned"] = False
         summary["not_planned"] = "not every pipeline stage built: the plan needs one rank of each (e.g. --ranks all)"
         return None, summary
-    plan = make_plan(build_specs(metadata), layout, assign_rollout(layout, rollout), rollout.tp, cfg.rollout.bucket_bytes,
-                     dict(rollout.rows))
+    receivers = rollout_ranks(cfg, layout)
+    if receivers is None:
+        assignment = assign_rollout(layout, rollout)
+    else:  # as megarl.hybrid.engine does under separate placement: the rollout ranks follow the training ranks
+        from megarl.layout import separate_assignment
+
+        assignment = separate_assignment(layout.world_size, receivers, rollout.tp)
+    plan = make_plan(build_specs(metadata), layout, assignment, rollout.tp, cfg.rollout.bucket_bytes,
+                     dict(rollout.rows), receivers=receivers)
     summary.update(planned=True, buckets=len(plan.buckets), model_bytes=plan.model_bytes,
-                   ops=sum(len(b.ops) for b in plan.buckets))
+                   ops=sum(len(b.ops) for b in plan.buckets),
+                   placement="separate" if receivers is not None else "colocated")
+    if receivers is not None:  # the ranks that load the weights are not in `ranks` (they build no model)
+        summary["rollout_ranks"] = [{"rank": r, "sync_recv_bytes": plan.planned_recv_bytes[r],
+                                     "sync_bound_bytes": plan.min_recv_bytes[r], "sync_needed_bytes": plan.needed_bytes[r]}
+                                    for r in receivers]
     return plan, summary
+
+
+ADAPTER_GATHER_BYTES = 4  # full_adapters gathers the adapters as float32
+
+
+def adapter_sync(builds: list[tuple[RankBuild, list[int]]], layout) -> dict:
+    """What the adapter path moves at every sync after the base's once (megarl.models.lora_sync):
+    megarl.models.lora.full_adapters all-gathers every rank's adapter shards over the whole world
+    (float32), so each rank receives all the others' shards, data-parallel copies included, to
+    assemble the whole adapter it hands to its engine. The ranks of a pipeline stage hold adapter
+    shards of one size (the TP split is even), so one built rank per stage stands for its stage."""
+    by_stage: dict[int, RankBuild] = {}
+    for build, _ in builds:
+        by_stage.setdefault(build.coords.pp, build)
+    if len(by_stage) < layout.pp:
+        return {"complete": False, "not_counted": "not every pipeline stage built (e.g. --ranks all)"}
+    stage_of = [layout.coords(r).pp for r in range(layout.world_size)]
+    gathered = sum(by_stage[p].adapter_elements for p in stage_of) * ADAPTER_GATHER_BYTES
+    smallest = min(by_stage[p].adapter_elements for p in stage_of) * ADAPTER_GATHER_BYTES
+    whole = sum(b.adapter_full_elements for b in by_stage.values()) * ADAPTER_GATHER_BYTES
+    return {"complete": True, "adapter_bytes": whole, "gather_bytes_received_per_rank_max": gathered - smallest,
+            "note": "per sync, every sync: the whole world's adapter shards gathered as float32 (data-parallel copies "
+                    "included) to assemble the whole adapter (adapter_bytes) the engine loads"}
+
+
+def rollout_ranks(cfg, layout) -> tuple[int, ...] | None:
+    """The global ranks of the rollout engines under `rollout.placement=separate` (megarl.placement:
+    after the training ranks), None when colocated."""
+    if cfg.rollout.placement != "separate":
+        return None
+    return tuple(range(layout.world_size, layout.world_size + cfg.rollout.num_ranks))
 
 
 def sent_bytes(plan: Plan) -> list[int]:

@@ -116,6 +116,28 @@ def test_tiny_vpp_tp2_lora(tmp_path):
     assert not rep["planner_outside_tolerance"]
 
 
+def test_tiny_separate_placement_syncs_into_the_rollout_ranks(tmp_path):
+    """rollout.placement=separate, world 4 = 2 training ranks (tp2) + 2 rollout ranks: the plan is the
+    one megarl.hybrid.engine makes there: the training ranks receive nothing, each rollout rank (no
+    training shard) receives the whole model once, the training ranks send exactly that."""
+    from megarl.tools.make_tiny_model import make_tiny_model
+
+    model = tmp_path / "qwen3"
+    make_tiny_model("qwen3", model, vocab_size=301, layers=2)
+    code, rep = run_dry(tmp_path, TINY_CONFIG, 4, TINY + [
+        f"model.path={model}", "parallel.tp=2", "rollout.placement=separate", "rollout.num_ranks=2"])
+    assert code == 0
+    assert rep["world_size"] == 2 and [e["rank"] for e in rep["ranks"]] == [0, 1]
+    sync = rep["weight_sync"]
+    assert sync["planned"] and sync["placement"] == "separate"
+    rollout = sync["rollout_ranks"]
+    assert [r["rank"] for r in rollout] == [2, 3]
+    for r in rollout:
+        assert r["sync_recv_bytes"] == r["sync_bound_bytes"] == r["sync_needed_bytes"] == sync["model_bytes"] > 0, r
+    assert all(e["sync_recv_bytes"] == 0 for e in rep["ranks"])
+    assert sum(e["sync_send_bytes"] for e in rep["ranks"]) == 2 * sync["model_bytes"]
+
+
 # --- the shipped configs at their published world sizes, on the ranks that differ -------------------
 SHIPPED = [  # config, model dir, world size, ranks whose shards differ in shape (first / middle / last stage ...)
     ("deepseek-v3-671b.yaml", "deepseek-v3", 256, "0,16,255"),  # 3 dense layers + embedding; 4 MoE; 2 + head
@@ -151,6 +173,13 @@ def test_shipped_config_at_its_world_size(tmp_path, config, model, world, ranks)
         for e in rep["ranks"]:
             assert e["sync_recv_bytes"] == e["sync_bound_bytes"]
             assert 0.87 < e["sync_recv_bytes"] / e["sync_needed_bytes"] < 0.875  # 7/8 of it, less the whole norms held
+        # then at every sync the adapters only, hand-worked: rank 32 on q, o (8192 -> 8192), k, v (8192 -> 1024),
+        # gate, up (8192 -> 28672), down (28672 -> 8192): 32 x (in + out) each, 80 layers, gathered as float32;
+        # each rank receives the other 7 tp ranks' shards (the column-parallel A factors are whole on every rank)
+        per_layer = 32 * (2 * 16384 + 2 * 9216 + 3 * 36864)
+        adapters = rep["weight_sync"]["adapter_sync"]
+        assert adapters["adapter_bytes"] == 80 * per_layer * 4 == 1_656_750_080
+        assert adapters["complete"] and adapters["gather_bytes_received_per_rank_max"] > 7 / 8 * adapters["adapter_bytes"]
 
 
 # --- layouts that cannot work: one line, exit 2, before any model is built ------------------------
