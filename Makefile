@@ -31,7 +31,7 @@ CORE_SETUP := $(if $(filter 3.12,$(PY)),setup,setup-py312)
 # ------------------------------------------------------------------------------------------------------
 
 .PHONY: setup setup-py312 venv-vllm multinode-deps monitor-deps demo demo-eval demo-pipeline test test-full test-core test-vllm test-multinode test-fast \
-	bench bench-check docker-check
+	bench bench-check docker-check lint
 setup: $(VENV)/.installed
 setup-py312: $(VENV312)/.installed
 venv-vllm: $(VLLM_VENV)/.installed
@@ -89,6 +89,7 @@ test: $(FULL_SETUP) multinode-deps monitor-deps
 	@mkdir -p runs; rm -f runs/test-durations.json; \
 	$(MAKE) --no-print-directory $(CORE_SETUP) venv-vllm docker-check > runs/envs.log 2>&1 & envs=$$!; \
 	status=0; \
+	$(MAKE) --no-print-directory lint || status=1; \
 	$(MAKE) --no-print-directory test-full TEST_FULL_ARGS="--deselect $(DOCKER_TEST)" || status=1; \
 	if ! wait $$envs; then echo "building the other environments or make docker-check failed:"; tail -n 40 runs/envs.log; exit 1; fi; \
 	$(MAKE) --no-print-directory test-vllm > runs/test-vllm.log 2>&1 & vllm=$$!; \
@@ -131,6 +132,13 @@ multinode-deps:
 
 # The edit loop: pure math, config, data, single-process parity (no slow, multiprocess, gpu or
 # vllm tests); under 5 minutes on 2 cores. `make test` still runs everything.
+# Lint: ruff on the whole tree (ruff.toml: the rule families that find bugs), mypy on the typed rooms.
+LINT_TYPED := megarl/layout megarl/hybrid/plan.py megarl/engine/batch.py megarl/platform/mcore_version.py \
+	megarl/platform/host_allocator.py megarl/platform/fake_world.py
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy --ignore-missing-imports --follow-imports=silent $(LINT_TYPED)
+
 test-fast: setup
 	MEGARL_TEST_TIER=fast $(BIN)/python -m pytest tests -m "not slow and not multiprocess and not gpu and not vllm"
 

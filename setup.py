@@ -31,7 +31,8 @@ setup(
         # tracking.loggers tensorboard / wandb, tracking.prometheus_port, megarl.tools.report; each is
         # imported only when chosen. None of them moves torch, transformers or protobuf (pip --dry-run).
         "monitor": ["tensorboard", "wandb", "prometheus-client", "matplotlib"],
-        "test": ["pytest>=8", "pytest-timeout", "tensorboard", "wandb", "prometheus-client", "matplotlib", "peft"],
+        "test": ["pytest>=8", "pytest-timeout", "tensorboard", "wandb", "prometheus-client", "matplotlib", "peft",
+                 "ruff==0.17.6", "mypy==2.4.1"],  # make lint
         # GPU-only. NVIDIA apex is built from source (see docker/); the PyPI "apex" is unrelated.
         "gpu": ["transformer-engine[pytorch]"],
         "vllm": ["vllm==0.33.0"],

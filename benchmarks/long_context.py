@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import statistics
 import sys
@@ -88,8 +89,7 @@ def one_layout(model_dir: str, layout: dict, seq_lens: list[int], rounds: int) -
         def loss_fn(o, mb, totals):
             return policy_loss(o["logprobs"], mb["old_logprobs"], mb["advantages"], mb["response_mask"], global_tokens=totals["tokens"])
 
-        def step():
-            return engine.train_step(batch, loss_fn, fields=("old_logprobs", "advantages"), num_global=n_global)
+        step = functools.partial(engine.train_step, batch, loss_fn, fields=("old_logprobs", "advantages"), num_global=n_global)
 
         hooks, counted = saved_bytes_counter([p for m in engine.modules for p in m.parameters()], engine.modules)
         with hooks:

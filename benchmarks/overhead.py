@@ -35,7 +35,6 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 
 from _common import PRESETS, device_name, finish, random_llama  # benchmarks/_common.py
 

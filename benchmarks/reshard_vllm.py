@@ -57,7 +57,7 @@ def main(argv=None) -> None:
     model_dir = Path(args.model_dir)
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=8)
     rows, setup = [], None
-    for i, layout in enumerate(args.layouts):
+    for layout in args.layouts:
         tp, pp = (int(x) for x in layout.split(","))
         dims = dims_from_env(tp=tp, pp=pp).initialize()
         if setup is None:

@@ -58,7 +58,7 @@ class ParallelDims:
                                         last_stage_layers=self.last_stage_layers, sequence_parallel=self.sequence_parallel)
 
     def validate(self) -> None:
-        self.layout  # ValueError with the arithmetic
+        _ = self.layout  # ValueError with the arithmetic
 
     @property
     def model_parallel_size(self) -> int:

@@ -45,7 +45,6 @@ from megarl.data.dataset import PromptDataset, PromptRow
 from megarl.data.tokenizer import load_tokenizer
 from megarl.distill import build_distillation
 from megarl.dynamic_sampling import FilteredRollout, generate_filtered
-from megarl.engine.batch import SequenceBatch
 from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
 from megarl.global_batch import GlobalBatch, LocalStats
 from megarl.guards import Guards

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from megarl.capacity.arch import (Arch, Tensor, embedding_tensor, forward_flops_per_token, head_tensors, layer_tensors,
                               lora_tensors, params_active, params_mtp, params_total, stage_layers, train_flops_per_token)

@@ -69,7 +69,7 @@ class HybridEngine:
         the same mode and full_every (the trainer's and the rollout ranks' engines read one config).
     """
 
-    def __init__(self, local_shards: LocalShards, *, train: ParallelLayout, rollout: RolloutLayout = RolloutLayout(),
+    def __init__(self, local_shards: LocalShards, *, train: ParallelLayout, rollout: RolloutLayout = RolloutLayout(),  # noqa: B008 (frozen)
                  bucket_bytes: int = 512 << 20, convert: Converter | None = None, device: torch.device | str | None = None,
                  separate=None, mode: str = "full", full_every: int = 50):
         if mode not in ("full", "delta"):

@@ -97,6 +97,7 @@ class TensorSpec:
         if self.tp_dim is not None:
             shape[self.tp_dim] = shape[self.tp_dim] // L * (span.hi - span.lo)
         if rows is not None:
+            assert self.split_dim is not None, "rows of a tensor that is not split"
             shape[self.split_dim] = rows[1] - rows[0]
         return tuple(shape)
 
@@ -284,7 +285,7 @@ def _with_rollout_rows(specs: dict[str, TensorSpec], rollout_rows: dict[str, tup
                              f"rollout rank ({rollout_tp}), got tp_dim {s.tp_dim}, {s.sub_chunks} blocks, {len(rows)} ranges")
         if any(not 0 <= lo <= hi <= s.full_shape[s.tp_dim] for lo, hi in rows):
             raise ValueError(f"{name}: rollout rows {rows} outside its {s.full_shape[s.tp_dim]} rows")
-        specs[name] = dataclasses.replace(s, rollout_rows=tuple(tuple(r) for r in rows))
+        specs[name] = dataclasses.replace(s, rollout_rows=tuple((lo, hi) for lo, hi in rows))
     return specs
 
 

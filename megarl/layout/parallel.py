@@ -221,9 +221,9 @@ def check_degrees(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int |
         raise ValueError(f"parallel.etp must be a positive integer or unset, got {etp!r}")
     if vpp is not None and vpp != 1 and (not isinstance(vpp, int) or vpp < 1 or pp == 1):
         raise ValueError(f"parallel.vpp = {vpp} needs parallel.pp > 1 and vpp >= 1 (virtual stages interleave pipeline stages)")
-    for name, value in (("first_stage_layers", first_stage_layers), ("last_stage_layers", last_stage_layers)):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"parallel.{name} must be a positive integer or unset, got {value!r}")
+    for name, layers in (("first_stage_layers", first_stage_layers), ("last_stage_layers", last_stage_layers)):
+        if layers is not None and (not isinstance(layers, int) or layers < 1):
+            raise ValueError(f"parallel.{name} must be a positive integer or unset, got {layers!r}")
         if value is not None and pp == 1:
             raise ValueError(f"parallel.{name} = {value} needs parallel.pp > 1 (one stage holds every layer)")
 

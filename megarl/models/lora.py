@@ -211,7 +211,7 @@ class LoraAdapter(torch.nn.Module):
         sizes = self.local_out_sizes()
         in_local = self.in_size // self.tp_size if self.kind == "row" else self.in_size
         parts = []
-        for n, rows in zip(self.names, sizes):
+        for n, _rows in zip(self.names, sizes):
             if n not in self.adapters:
                 parts.append(None)
                 continue
@@ -318,7 +318,7 @@ def adapters(chunks) -> Iterator[tuple[str, torch.nn.Module, LoraAdapter]]:
     """(module name, linear, adapter) of every adapted linear in `chunks` (unwrapped)."""
     from megarl.models.weights import model_chunks
 
-    for i, chunk in enumerate(model_chunks(chunks)):
+    for chunk in model_chunks(chunks):
         for name, module in chunk.named_modules():
             if isinstance(getattr(module, "lora", None), LoraAdapter):
                 yield name, module, module.lora

@@ -47,7 +47,7 @@ def keep_freed_memory(env=None) -> bool:
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.gnu_get_libc_version  # glibc only: another C library's mallopt takes other parameters
+        _ = libc.gnu_get_libc_version  # glibc only: another C library's mallopt takes other parameters
     except (OSError, AttributeError):
         return False
     _DONE = bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, NEVER_TRIM))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
 
 from megarl.tools.dryrun_rank import InvariantError
 

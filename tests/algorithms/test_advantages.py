@@ -1,5 +1,4 @@
 """Hand-worked values for the advantage estimators."""
-import math
 
 import numpy as np
 import pytest

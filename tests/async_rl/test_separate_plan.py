@@ -4,7 +4,6 @@ rollout shard (the M-to-N bound for two disjoint groups) and the training ranks 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from megarl.hybrid.plan import Span, build_specs, make_plan
 from megarl.layout import ParallelLayout, separate_assignment

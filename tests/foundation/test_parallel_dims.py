@@ -68,7 +68,7 @@ def test_virtual_pipeline_needs_pipeline():
 def test_groups_need_initialize():
     dims = ParallelDims(world_size=2, tp=2)
     with pytest.raises(RuntimeError, match=r"initialize\(\) must be called"):
-        dims.tp_group
+        _ = dims.tp_group
 
 
 @pytest.mark.slow

@@ -60,10 +60,10 @@ def _check(model_dir, dims, targets=None):
     with torch.no_grad():
         with lora.disabled([model]):
             off = _megarl_loss(model, spec, tokens, weights)
-        for _, module, adapter in lora.adapters([model]):
+        for _, _module, adapter in lora.adapters([model]):
             adapter.enabled = False
         base = _megarl_loss(model, spec, tokens, weights)
-        for _, module, adapter in lora.adapters([model]):
+        for _, _module, adapter in lora.adapters([model]):
             adapter.enabled = True
         assert float(off) == float(base) and abs(float(off) - float(loss)) > 1e-3
         # merged weights (float32 merge) compute the adapted model

@@ -47,7 +47,7 @@ def test_fewer_nodes_than_nnodes():
     start = time.monotonic()
     rc, err = finish(preflight(f"127.0.0.1:{free_port()}", 2, 0))
     assert rc == 2 and "\n" not in err
-    assert err.startswith(f"rendezvous error: only 1 of 2 nodes reached the rendezvous at 127.0.0.1:")
+    assert err.startswith("rendezvous error: only 1 of 2 nodes reached the rendezvous at 127.0.0.1:")
     assert time.monotonic() - start >= TIMEOUT_S  # it waited its deadline, not torchrun's
 
 

@@ -9,7 +9,7 @@ import pytest
 
 import shared_runs
 import worlds
-from conftest import REPO, torchrun
+from conftest import torchrun
 
 
 def prepared_data(root: Path, train_size: int = 256, val_size: int = 16) -> None:
