@@ -224,8 +224,8 @@ def check_degrees(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int |
     for name, layers in (("first_stage_layers", first_stage_layers), ("last_stage_layers", last_stage_layers)):
         if layers is not None and (not isinstance(layers, int) or layers < 1):
             raise ValueError(f"parallel.{name} must be a positive integer or unset, got {layers!r}")
-        if value is not None and pp == 1:
-            raise ValueError(f"parallel.{name} = {value} needs parallel.pp > 1 (one stage holds every layer)")
+        if layers is not None and pp == 1:
+            raise ValueError(f"parallel.{name} = {layers} needs parallel.pp > 1 (one stage holds every layer)")
 
 
 def _positive(name: str, value) -> None:
