@@ -392,3 +392,12 @@ def test_the_scan_finds_each_kind_of_surgery(tmp_path):
     lines = {int(f.split(":")[1]) for f in found}
     assert lines == {3, 4, 5, 6, 7, 8, 9, 10, 12, 13}, "\n".join(found)
     assert all(f.startswith("megarl/bad.py:") for f in found)
+
+
+def test_the_module_stands_on_the_ground_floor():
+    """megarl.platform imports nothing from higher megarl packages: process_groups only torch and the standard library."""
+    tree = ast.parse((REPO / "megarl/platform/process_groups.py").read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    higher = sorted(m for m in imported if m.startswith("megarl") and not m.startswith("megarl.platform"))
+    assert not higher, f"megarl/platform/process_groups.py imports {higher}"
