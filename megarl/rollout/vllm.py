@@ -31,6 +31,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from megarl.platform import process_groups
 from megarl.rollout.base import RolloutRequest, RolloutResult, SamplingParams, expand_samples, import_engine
 from megarl.rollout.vllm_lora import AdapterSlot, lora_engine_kwargs
 
@@ -418,8 +419,7 @@ class VLLMRolloutEngine:
 
 def _shutdown_keeping_default_group(client) -> None:
     """client: the LLM's engine-core client (InprocClient.shutdown detaches vLLM's own exit hook).
-    The default-group guard is megarl.platform.process_groups.keep_default_group."""
-    from megarl.platform import process_groups
-
+    The default-group guard is megarl.platform.process_groups.keep_default_group (imported with this
+    module: this also runs at interpreter exit)."""
     with process_groups.keep_default_group():
         client.shutdown()
