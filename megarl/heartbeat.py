@@ -175,14 +175,12 @@ def start_for_world(timeout_s: float, rank: int, world_size: int, separate=None)
     the whole world, rollout ranks included, beats in the world's store."""
     import torch.distributed as dist
 
-    if separate is not None:
-        from torch.distributed.distributed_c10d import _world
+    from megarl.platform import process_groups
 
+    if separate is not None:
         placement = separate.placement
-        return Heartbeat(_world.pg_map[separate.world][1], rank, placement.world_size, timeout_s,
+        return Heartbeat(process_groups.group_store(separate.world), rank, placement.world_size, timeout_s,
                          rollout_ranks=placement.rollout_ranks).start()
     if world_size <= 1 or not dist.is_initialized():
         return None
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    return Heartbeat(_get_default_store(), rank, world_size, timeout_s).start()
+    return Heartbeat(process_groups.default_store(), rank, world_size, timeout_s).start()

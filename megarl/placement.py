@@ -125,11 +125,13 @@ def split_world(placement: Placement) -> WorldGroups:
 
     Rollout ranks keep the world as default (they create no groups). torch has no public way to
     run a program on a subset as if it were the world; replacing the default group is the one
-    place this relies on c10d internals (checked by tests/async_rl)."""
+    place this relies on c10d internals (megarl.platform.process_groups.set_default_group, checked by
+    tests/platform/test_process_groups.py and tests/async_rl)."""
     import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
 
-    world = c10d._get_default_group()
+    from megarl.platform import process_groups
+
+    world = process_groups.get_default_group()
     if dist.get_world_size() != placement.world_size:
         raise ValueError(f"Placement for {placement.world_size} ranks, torch.distributed has {dist.get_world_size()}")
     down = dist.new_group(list(range(placement.world_size)))
@@ -138,7 +140,7 @@ def split_world(placement: Placement) -> WorldGroups:
     train = dist.new_group(list(placement.train_ranks))
     rollout = dist.new_group(list(placement.rollout_ranks))
     if not placement.is_rollout(dist.get_rank()):
-        c10d._world.default_pg = train
+        process_groups.set_default_group(train)
         rollout = None
     return WorldGroups(placement, world, down, up, ctrl, rollout)
 

@@ -48,13 +48,14 @@ from megarl.dynamic_sampling import FilteredRollout, generate_filtered
 from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
 from megarl.global_batch import GlobalBatch, LocalStats
 from megarl.guards import Guards
-from megarl.hybrid.dispatch import DispatchGroups, _all_gather_object, generate_for_training
+from megarl.hybrid.dispatch import DispatchGroups, generate_for_training
 from megarl.hybrid.engine import HybridEngine, release_cached_device_memory
 from megarl.hybrid.verify import WeightSyncMismatch, mismatch_message, sync_limits, sync_problem, sync_stats, token_prob_diff
 from megarl.models.lora import LoraOptions
 from megarl.models.lora_sync import AdapterSync
 from megarl.models.moe_routing import RouterOptions
 from megarl.parallel import ParallelDims, all_reduce_host
+from megarl.platform.process_groups import all_gather_object
 from megarl.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch
 from megarl.profiling import StepProfiler
 from megarl.rewards import build_reward_fn
@@ -329,7 +330,7 @@ class Trainer:
             greedy = self._generate(_first_of_groups(samples, self.sampling.n), self._greedy) if alg.adv_estimator == "remax" else None
             self.rollout.release_memory()
         if cfg.tracking.sample_ids:  # every rank's share, for rank 0's samples.jsonl
-            self.trained_ids = merge_id_records(_all_gather_object(id_records(samples), self.dims.world_size, None))
+            self.trained_ids = merge_id_records(all_gather_object(id_records(samples), self.dims.world_size, None))
         rollout_batch = to_rollout_batch(samples, self.sampling.n, self.sampling.max_new_tokens)
         batch, mask = rollout_batch.batch, rollout_batch.batch.response_mask
         episodes = episode_metrics(samples, self.rollout, self.global_batch.reduce)  # {} without rollout.multi_turn

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from megarl.async_rollout.server import recv_object, send_object
 from megarl.async_rollout.staleness import StalenessStats, split_fresh, trained_version
-from megarl.hybrid.dispatch import _all_gather_object, share_bounds
+from megarl.hybrid.dispatch import share_bounds
+from megarl.platform.process_groups import all_gather_object
 from megarl.rollout.base import RolloutRequest, RolloutResult, SamplingParams
 from megarl.rollout.multi_turn import env_rows
 
@@ -123,7 +124,7 @@ class AsyncSchedule:
     def _collect(self, request_id: int) -> list[RolloutResult]:
         d = self.dispatch
         mine = self.remote.collect(request_id)
-        return [r for part in _all_gather_object(mine, d.mp_size, d.mp_group) for r in part]
+        return [r for part in all_gather_object(mine, d.mp_size, d.mp_group) for r in part]
 
     def prefetch(self, step: int, next_prompts, sampling: SamplingParams, data_state=None) -> None:
         """Submit every step up to step + K not yet in flight (prompts in data order). data_state:

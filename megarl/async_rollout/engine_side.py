@@ -18,7 +18,6 @@ ranks build their engines, the layout comes back, then every rank builds the pla
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
@@ -28,22 +27,14 @@ from megarl.async_rollout.server import recv_object, send_object
 @contextlib.contextmanager
 def rollout_world(groups, rank: int):
     """On a rollout rank: the rollout ranks' group as the default process group (and RANK, which
-    vLLM's external_launcher reads, as this rank's place in it) for the duration."""
-    import torch.distributed.distributed_c10d as c10d
+    vLLM's external_launcher reads, as this rank's place in it) for the duration (the swap itself:
+    megarl.platform.process_groups.default_group)."""
+    from megarl.platform import process_groups
 
     if groups.rollout is None:
         raise ValueError(f"rank {rank} is not a rollout rank")
-    world, env_rank = c10d._world.default_pg, os.environ.get("RANK")
-    c10d._world.default_pg = groups.rollout
-    os.environ["RANK"] = str(rank - groups.placement.train_size)
-    try:
+    with process_groups.default_group(groups.rollout, rank=rank - groups.placement.train_size):
         yield
-    finally:
-        c10d._world.default_pg = world
-        if env_rank is None:
-            os.environ.pop("RANK", None)
-        else:
-            os.environ["RANK"] = env_rank
 
 
 def build_engine(cfg, groups, rank: int):

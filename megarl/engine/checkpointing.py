@@ -180,13 +180,12 @@ def load_engine(engine, path: str) -> None:
 def _plain_bytes_only(path: str):
     """torch.distributed.checkpoint unpickles the non-tensor items of a checkpoint ("bytes": e.g.
     the optimizer's param groups) with torch.load(weights_only=False), so a planted payload would
-    run. While Megatron loads, that loader is replaced by one with weights_only=True."""
+    run. While Megatron loads, that loader is replaced by one with weights_only=True (the
+    replacement itself: megarl.platform.process_groups.dcp_load_bytes)."""
     import io
     import pickle
 
-    from torch.distributed.checkpoint import default_planner
-
-    original = default_planner.DefaultLoadPlanner.load_bytes
+    from megarl.platform import process_groups
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         try:
@@ -196,15 +195,12 @@ def _plain_bytes_only(path: str):
                 f"refusing to load {path}: item {read_item.dest_index.fqn} holds objects other than tensors and plain "
                 f"data ({str(e).strip().splitlines()[0]}); loading it could run code: use a checkpoint you trust") from None
         if self.flatten_state_dict:
-            default_planner.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            process_groups.dcp_set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
 
-    default_planner.DefaultLoadPlanner.load_bytes = load_bytes
-    try:
+    with process_groups.dcp_load_bytes(load_bytes):
         yield
-    finally:
-        default_planner.DefaultLoadPlanner.load_bytes = original
 
 
 def _load_distributed_optimizer(opt, state: dict) -> None:

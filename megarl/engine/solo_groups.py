@@ -14,13 +14,19 @@ when their group has one rank:
 
 Inside a coalescing block nothing is queued, so the block issues nothing either. Asynchronous calls
 (they return a handle to wait on) and groups of two or more are passed through unchanged.
+
+Replacing `torch.distributed.all_reduce` is process-group surgery: megarl.platform.process_groups
+installs it (and says what it was checked on); this module only supplies the replacement.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from megarl.platform import process_groups
+
 _INSTALLED = False
+_BUCKET_ORIGINALS: dict = {}  # Megatron's bucket collectives that install() replaced, by name
 
 
 def _group_size(group) -> int:
@@ -60,8 +66,23 @@ def install() -> None:
         return
     from megatron.core.distributed import param_and_grad_buffer as buffers
 
-    dist.all_reduce = _solo_all_reduce(dist.all_reduce)
+    process_groups.install_all_reduce(_solo_all_reduce)
     for name in ("dist_all_gather_func", "dist_reduce_scatter_func"):
         if hasattr(buffers, name):
+            _BUCKET_ORIGINALS[name] = getattr(buffers, name)
             setattr(buffers, name, _solo_bucket_collective(getattr(buffers, name)))
     _INSTALLED = True
+
+
+def uninstall() -> None:
+    """Undo `install()`: torch's all-reduce and Megatron's bucket collectives as they were."""
+    global _INSTALLED
+    if not _INSTALLED:
+        return
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    process_groups.uninstall_all_reduce()
+    for name, original in _BUCKET_ORIGINALS.items():
+        setattr(buffers, name, original)
+    _BUCKET_ORIGINALS.clear()
+    _INSTALLED = False

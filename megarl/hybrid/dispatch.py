@@ -16,6 +16,7 @@ from typing import Sequence
 
 import torch.distributed as dist
 
+from megarl.platform.process_groups import all_gather_object
 from megarl.rollout.base import RolloutEngine, RolloutRequest, RolloutResult, SamplingParams
 
 
@@ -56,14 +57,6 @@ def share_bounds(n: int, parts: int, index: int) -> tuple[int, int]:
     return n * index // parts, n * (index + 1) // parts
 
 
-def _all_gather_object(obj, size: int, group) -> list:
-    if size == 1:
-        return [obj]
-    out: list = [None] * size
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
 def generate_for_training(engine: RolloutEngine, requests: Sequence[RolloutRequest], sampling: SamplingParams,
                           groups: DispatchGroups) -> list[RolloutResult]:
     """Generate for this rank's DP batch `requests` (identical on its MP group) with every rank
@@ -74,11 +67,11 @@ def generate_for_training(engine: RolloutEngine, requests: Sequence[RolloutReque
             raise ValueError(f"DispatchGroups.{what}_rank={rank} but this rank is {dist.get_rank(group=group)} in {what}_group")
     lo, hi = share_bounds(len(requests), groups.mp_size, groups.mp_rank)
     mine = list(requests[lo:hi])
-    shares = _all_gather_object(mine, groups.rollout_size, groups.rollout_group)
+    shares = all_gather_object(mine, groups.rollout_size, groups.rollout_group)
     flat = [r for share in shares for r in share]
     results = engine.generate(flat, sampling) if flat else []
     # this rank's share sits after the shares of the group members before it
     start = sum(len(s) for s in shares[:groups.rollout_rank]) * sampling.n
     kept = results[start:start + len(mine) * sampling.n]
-    gathered = _all_gather_object(kept, groups.mp_size, groups.mp_group)
+    gathered = all_gather_object(kept, groups.mp_size, groups.mp_group)
     return [r for part in gathered for r in part]

@@ -21,7 +21,6 @@ It is long because it is the whole adapter (options, sampling, weights, adapters
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import sys
@@ -32,6 +31,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 import torch
 
+from megarl.platform import process_groups
 from megarl.rollout.base import RolloutRequest, RolloutResult, SamplingParams, expand_samples, import_engine
 from megarl.rollout.vllm_lora import AdapterSlot, lora_engine_kwargs
 
@@ -418,22 +418,8 @@ class VLLMRolloutEngine:
 
 
 def _shutdown_keeping_default_group(client) -> None:
-    """client: the LLM's engine-core client (InprocClient.shutdown detaches vLLM's own exit hook)."""
-    with _keep_default_process_group():
+    """client: the LLM's engine-core client (InprocClient.shutdown detaches vLLM's own exit hook).
+    The default-group guard is megarl.platform.process_groups.keep_default_group (imported with this
+    module: this also runs at interpreter exit)."""
+    with process_groups.keep_default_group():
         client.shutdown()
-
-
-@contextlib.contextmanager
-def _keep_default_process_group():
-    real = torch.distributed.destroy_process_group
-
-    def destroy_unless_default(group=None):
-        # after the default group is gone, its subgroups are gone too (destroying them raises)
-        if group is not None and torch.distributed.is_initialized():
-            real(group)
-
-    torch.distributed.destroy_process_group = destroy_unless_default
-    try:
-        yield
-    finally:
-        torch.distributed.destroy_process_group = real

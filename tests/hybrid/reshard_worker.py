@@ -16,10 +16,9 @@ import json
 import torch
 import torch.distributed as dist
 
-import torch.distributed.distributed_c10d as c10d
-
 from megarl.hybrid.engine import HybridEngine
 from megarl.placement import Placement, split_world
+from megarl.platform import process_groups
 from megarl.hybrid.layout import RolloutLayout, TrainLayout, hybridflow_bytes_per_rank
 from naive_allgather import NaiveAllGather  # benchmarks/naive_allgather.py
 from synthetic_model import SyntheticModel, full_tensor, synthetic_shards  # benchmarks/synthetic_model.py
@@ -164,13 +163,13 @@ def run(rank: int, port: int, out_dir: str) -> None:
         report[label] = _delta_run(label, model, train, RolloutLayout(rollout_tp, grouping), bucket, rank, rollout_slice)
 
     # separate placement last: splitting the world replaces the training ranks' default group
-    world = c10d._get_default_group()
+    world = process_groups.get_default_group()
     separate = split_world(Placement(4, 2, 1))
     for label, model, (tp, pp, dp, ep), rollout_tp, bucket in SEPARATE_DELTA_CASES:
         loads = separate.placement.is_rollout(rank)
         report[label] = _delta_run(label, model, TrainLayout(tp, pp, dp, ep), RolloutLayout(rollout_tp), bucket, rank,
                                    (lambda hybrid, name, full_bf16: full_bf16) if loads else None, separate=separate)
-    c10d._world.default_pg = world
+    process_groups.set_default_group(world)
     with open(f"{out_dir}/{rank}.json", "w") as f:
         json.dump(report, f)
     dist.destroy_process_group()
