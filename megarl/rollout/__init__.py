@@ -81,6 +81,35 @@ class RolloutSetup:
 WEIGHT_SYNC_MODES = ("auto", "direct", "full")
 
 
+def planned_weight_path(name: str, spec, tp: int, *, weight_sync: str = "auto", lora_rank: int = 0,
+                        lora_targets=None) -> tuple[str, str, str | None]:
+    """The weight path `build_rollout` takes, decided from the config and the model's config.json
+    alone: (path, why, why not the adapter path). "direct" means the config allows it: build_rollout
+    then confirms it against vLLM's own model (megarl.rollout.vllm_direct.choose) and falls back to
+    "full" where vLLM's model differs. The dry run (megarl.tools.dryrun_sync) plans with the same
+    answer, so the two cannot drift apart. spec: the model's ModelSpec (read only for vLLM or LoRA;
+    None will do for the other engines without adapters)."""
+    no_adapter_path = "actor.lora is off"
+    if lora_rank > 0:
+        from megarl.models.lora_sync import adapter_sync_reason
+
+        no_adapter_path = ("weight_sync='full' asked for full (merged) weights" if weight_sync == "full"
+                           else adapter_sync_reason(name, lora_rank, lora_targets, spec.is_moe))
+    if no_adapter_path is None:
+        return "adapter", (f"the base weights once as full HF tensors, then only the actor's rank-{lora_rank} "
+                           "adapters, which vLLM applies as a LoRA"), None
+    if name != "vllm":
+        return "full", f"rollout.engine={name} loads full HF tensors", no_adapter_path
+    if weight_sync == "full":
+        return "full", "weight_sync='full' asked for full HF tensors", no_adapter_path
+    from megarl.rollout.vllm_direct import config_problem
+
+    problem = config_problem(spec, tp)
+    if problem is not None:
+        return "full", f"the direct path does not apply: {problem}", no_adapter_path
+    return "direct", f"each rank receives its rollout tp{tp} shard and writes it into vLLM's sharded parameters", no_adapter_path
+
+
 def build_rollout(name: str, hf_dir: str, groups, *, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
                   memory_fraction: float | None = None, max_model_len: int | None = None, train_tp: int = 1,
                   weight_sync: str = "auto", log: Callable[[str], None] | None = print, lora_rank: int = 0,
@@ -103,17 +132,16 @@ def build_rollout(name: str, hf_dir: str, groups, *, seed: int = 0, device: str 
 
     if weight_sync not in WEIGHT_SYNC_MODES:
         raise ValueError(f"weight_sync must be one of {WEIGHT_SYNC_MODES}, got {weight_sync!r}")
+    from megarl.models.families import load_spec
+
     cpu = torch.device(device).type == "cpu"
     options: dict = {}
-    no_adapter_path = "actor.lora is off"
-    if lora_rank > 0:
-        from megarl.models.families import load_spec
-        from megarl.models.lora_sync import adapter_sync_reason
-
-        no_adapter_path = ("weight_sync='full' asked for full (merged) weights" if weight_sync == "full"
-                           else adapter_sync_reason(name, lora_rank, lora_targets, load_spec(hf_dir).is_moe))
-        if no_adapter_path is None:
-            options["lora_rank"] = lora_rank
+    # config.json is read where the path depends on it (the engines read their own)
+    spec = load_spec(hf_dir) if lora_rank > 0 or (name == "vllm" and weight_sync != "full") else None
+    path, why, no_adapter_path = planned_weight_path(name, spec, groups.size, weight_sync=weight_sync, lora_rank=lora_rank,
+                                                     lora_targets=lora_targets)
+    if path == "adapter":
+        options["lora_rank"] = lora_rank
     if name == "vllm":
         options["max_model_len"] = max_model_len
         if cpu:
@@ -125,28 +153,22 @@ def build_rollout(name: str, hf_dir: str, groups, *, seed: int = 0, device: str 
     engine = build_rollout_engine(name, hf_dir, tp=groups.size, seed=seed, device=device, dtype=dtype,
                                   group=groups.group, group_ranks=list(groups.ranks), **options)
     setup = RolloutSetup(engine=engine, weight_layout=RolloutLayout(tp=1), groups=groups,
-                         convert=_full_hf_converter(hf_dir, train_tp),
-                         weight_path_reason=f"rollout.engine={name} loads full HF tensors")
-    if no_adapter_path is None:
-        setup.weight_path = "adapter"
-        setup.weight_path_reason = (f"the base weights once as full HF tensors, then only the actor's rank-{lora_rank} "
-                                    "adapters, which vLLM applies as a LoRA")
-    elif name == "vllm" and weight_sync != "full":
-        from megarl.models.families import load_spec
+                         convert=_full_hf_converter(hf_dir, train_tp), weight_path="adapter" if path == "adapter" else "full",
+                         weight_path_reason=why)
+    # the config allows the direct path, or rules it out with its reason; only vLLM's model can confirm it
+    # (choose asks every rank's, collectively; its own check repeats the config's, so a "full" plan ends the same)
+    if name == "vllm" and path != "adapter" and weight_sync != "full":
         from megarl.rollout.vllm_direct import choose
 
-        path = choose(engine, load_spec(hf_dir), groups.size)
-        if isinstance(path, str):
+        direct = choose(engine, spec, groups.size)
+        if isinstance(direct, str):
             if weight_sync == "direct":
-                raise ValueError(f"weight_sync='direct' but the direct path does not apply: {path}; use 'auto' or 'full'")
-            setup.weight_path_reason = f"the direct path does not apply: {path}"
+                raise ValueError(f"weight_sync='direct' but the direct path does not apply: {direct}; use 'auto' or 'full'")
+            setup.weight_path_reason = f"the direct path does not apply: {direct}"
         else:
             engine.use_direct_weights()
-            setup.weight_layout, setup.convert, setup.weight_path = path.layout, path.convert, "direct"
-            setup.weight_path_reason = (f"each rank receives its rollout tp{groups.size} shard and writes it into vLLM's "
-                                        f"sharded parameters")
-    elif name == "vllm":
-        setup.weight_path_reason = "weight_sync='full' asked for full HF tensors"
+            setup.weight_layout, setup.convert, setup.weight_path = direct.layout, direct.convert, "direct"
+            setup.weight_path_reason = why
     if lora_rank > 0 and no_adapter_path is not None:
         setup.weight_path_reason += f"; merged LoRA weights, not adapter-only: {no_adapter_path}"
     if log is not None and (not dist.is_initialized() or dist.get_rank() == 0):

@@ -140,14 +140,22 @@ def describe_model(worker) -> dict:
                 tp_size=get_tensor_model_parallel_world_size(), params=params, quant=quant, vocab=vocab)
 
 
-def direct_problem(spec: ModelSpec, tp: int, rank: int, desc: dict) -> str | None:
-    """Why the direct path cannot serve this rank's vLLM model (None: it can)."""
+def config_problem(spec: ModelSpec, tp: int) -> str | None:
+    """Why the direct path cannot apply to this model at rollout tp `tp`, from its config.json alone
+    (None: it may; `direct_problem` then asks vLLM's own model). The dry run decides with this too."""
     if spec.family not in DIRECT_FAMILIES or spec.is_moe:
         return f"the {spec.family} family (the direct path covers the dense {', '.join(DIRECT_FAMILIES)})"
-    if (desc["tp_size"], desc["tp_rank"]) != (tp, rank % tp):
-        return f"vLLM placed rank {rank} at TP rank {desc['tp_rank']} of {desc['tp_size']}, not {rank % tp} of {tp}"
     if spec.num_kv_heads % tp or spec.num_heads % tp or spec.ffn_hidden_size % tp:
         return f"{spec.num_kv_heads} kv heads / {spec.num_heads} heads / ffn {spec.ffn_hidden_size} not divisible by rollout tp {tp} (vLLM replicates kv heads)"
+    return None
+
+
+def direct_problem(spec: ModelSpec, tp: int, rank: int, desc: dict) -> str | None:
+    """Why the direct path cannot serve this rank's vLLM model (None: it can)."""
+    if (problem := config_problem(spec, tp)) is not None:
+        return problem
+    if (desc["tp_size"], desc["tp_rank"]) != (tp, rank % tp):
+        return f"vLLM placed rank {rank} at TP rank {desc['tp_rank']} of {desc['tp_size']}, not {rank % tp} of {tp}"
     odd = sorted(m for m, q in desc["quant"].items() if q not in _UNQUANTIZED)
     if odd:
         return f"quantized or unknown layer kinds ({desc['quant'][odd[0]]} at {odd[0]})"

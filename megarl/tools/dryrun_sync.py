@@ -21,28 +21,26 @@ _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
 def weight_layout(cfg, spec):
-    """(RolloutLayout, weight path, why) the rollout builder picks for this config: the decisions of
-    megarl.rollout.build_rollout, from the config alone (the direct path also asks vLLM's model,
-    which a dry run does not build: it is assumed to hold the shapes megarl's table expects)."""
+    """(RolloutLayout, weight path, why) the rollout builder takes for this config: the path from
+    megarl.rollout.planned_weight_path, the decision megarl.rollout.build_rollout itself starts
+    from; the direct path's layout assumes vLLM's model holds the shapes megarl's table expects
+    (build_rollout confirms that against the engine, which a dry run does not build)."""
     from megarl.layout import RolloutLayout
-    from megarl.models.lora_sync import adapter_sync_reason
-    from megarl.rollout.vllm_direct import DIRECT_FAMILIES, VOCAB_TENSORS, vocab_rows
+    from megarl.rollout import planned_weight_path
+    from megarl.rollout.vllm_direct import VOCAB_TENSORS, vocab_rows
 
-    r, lora = cfg.rollout, cfg.actor.lora
-    if lora.rank > 0 and adapter_sync_reason(r.engine, lora.rank, lora.target_modules, spec.is_moe) is None:
-        return RolloutLayout(tp=1), "adapter", ("the frozen base once as full HF tensors (this plan), then only the "
-                                                "adapters at every sync")
-    full = RolloutLayout(tp=1)
-    if r.engine != "vllm":
-        return full, "full", f"rollout.engine={r.engine} loads full HF tensors"
-    if spec.family not in DIRECT_FAMILIES or spec.is_moe:
-        return full, "full", f"vLLM's direct path covers the dense {', '.join(DIRECT_FAMILIES)}: full HF tensors for {spec.family}"
-    if spec.num_kv_heads % r.tp or spec.num_heads % r.tp or spec.ffn_hidden_size % r.tp:
-        return full, "full", f"vLLM replicates kv heads at rollout.tp {r.tp}: full HF tensors"
+    r = cfg.rollout
+    # separate placement builds its engine without the actor's adapters (megarl.async_rollout.engine_side):
+    # merged weights go there, as the real run sends them
+    lora_rank = cfg.actor.lora.rank if r.placement != "separate" else 0
+    path, why, _ = planned_weight_path(r.engine, spec, r.tp, lora_rank=lora_rank, lora_targets=cfg.actor.lora.target_modules)
+    if path == "adapter":
+        return RolloutLayout(tp=1), path, why + " (this plan is the base's)"
+    if path == "full":
+        return RolloutLayout(tp=1), path, why
     padded = -(-spec.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
     rows = vocab_rows(spec.vocab_size, padded, r.tp)
-    layout = RolloutLayout(tp=r.tp, grouping="consecutive", rows=tuple((name, rows) for name in VOCAB_TENSORS))
-    return layout, "direct", f"each rank receives its rollout tp{r.tp} shard (vLLM, dense {spec.family})"
+    return RolloutLayout(tp=r.tp, grouping="consecutive", rows=tuple((name, rows) for name in VOCAB_TENSORS)), path, why
 
 
 def _as_rank(rows: list[tuple], source, target, experts_per_rank: int) -> list[tuple]:
