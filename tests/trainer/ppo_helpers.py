@@ -68,7 +68,12 @@ def reference_run(nproc: int, config: str = "configs/tiny_cpu.yaml", **extra) ->
     process), run once per session and keyed by its resolved config: every test that compares against
     the same run reads the same one."""
     key = shared_runs.run_key(config, shared_overrides(Path("unused"), config, **extra), nproc)
-    return shared_runs.once(key, lambda run_dir: launch_ok(nproc, shared_overrides(run_dir, config, **extra), config=config))
+
+    def run(run_dir: Path) -> None:
+        proc = launch_ok(nproc, shared_overrides(run_dir, config, **extra), config=config)
+        (run_dir / "launch.log").write_text(proc.stdout)  # what the launch printed, for the tests that read it
+
+    return shared_runs.once(key, run)
 
 
 def launch(nproc: int, overrides: list[str], config: str = "configs/tiny_cpu.yaml", timeout: int = 900,

@@ -21,6 +21,10 @@ COMPARED = ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "actor/ppo_k
 CORRECTION = {"algorithm.rollout_correction.mode": "tis", "rollout.top_p": 0.9}
 
 
+def layout_overrides(tp: int, pp: int, cp: int) -> dict:
+    return {"trainer.total_steps": 2, "parallel.tp": tp, "parallel.pp": pp, "parallel.cp": cp}
+
+
 def _assert_close(a: list[dict], b: list[dict], rel: float, keys=COMPARED) -> None:
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b):
@@ -63,7 +67,6 @@ OFFLOAD_ALL = {"ref.param_offload": "true",
 @pytest.mark.parametrize("nproc,tp,pp,cp", [(2, 2, 1, 1), (2, 1, 2, 1), (2, 1, 1, 1), (2, 1, 1, 2), (4, 2, 1, 2)],
                          ids=["tp2", "pp2", "dp2", "cp2", "cp2xtp2"])
 def test_same_run_under_every_layout(tmp_path_factory, nproc, tp, pp, cp, single_process_run):
-    run_dir = tmp_path_factory.mktemp(f"layout_tp{tp}_pp{pp}_cp{cp}")
     # dp2 also offloads everything between phases: numbers must not change, memory must.
     offload = OFFLOAD_ALL if (tp, pp) == (1, 1) else {}
     # cp2 x tp2 also saves after each step: its step-1 checkpoint resumes at dp2 below.
@@ -72,12 +75,12 @@ def test_same_run_under_every_layout(tmp_path_factory, nproc, tp, pp, cp, single
     # tp2 -> rollout tp1 moves half the model: the tp2 run syncs by delta (rollout.weight_sync), which
     # must log what one process logs as every other layout does (it loads the same weights)
     delta = {"rollout.weight_sync.mode": "delta"} if (nproc, tp, pp, cp) == (2, 2, 1, 1) else {}
-    proc = launch_ok(nproc, shared_overrides(run_dir, **{"trainer.total_steps": 2, "parallel.tp": tp, "parallel.pp": pp,
-                                                         "parallel.cp": cp},
-                                             **offload, **save, **CORRECTION, **delta))
+    # a shared run (tests/shared_runs.py): the tp2 one is also test_delta_sync_logs_what_full_sync_logs's
+    run_dir = reference_run(nproc, **layout_overrides(tp, pp, cp), **offload, **save, **CORRECTION, **delta)
+    stdout = (run_dir / "launch.log").read_text()
     # tp2 runs with sequence parallelism, the default at tp > 1 (the critic's value head on the SP
     # shard), under context parallelism too (cp2 x tp2: the SP shard of each CP rank's tokens)
-    assert (f"tp={tp} sp " in proc.stdout) == (tp > 1), proc.stdout
+    assert (f"tp={tp} sp " in stdout) == (tp > 1), stdout
     _assert_close(read_metrics(single_process_run), read_metrics(run_dir), rel=1e-3,
                   keys=COMPARED + ("rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_max"))
     for step in read_metrics(single_process_run) + read_metrics(run_dir):
@@ -113,6 +116,29 @@ def test_same_run_under_every_layout(tmp_path_factory, nproc, tp, pp, cp, single
         assert kept["memory/resident_gb/gen"] > 0 and kept["perf/offload_bytes"] == 0
         # Each step moves every engine's state out and back in.
         assert dropped["perf/offload_bytes"] == dropped["perf/onload_bytes"] > 0
+
+
+# what differs between two runs of the same numbers: clocks, memory and the sync's own bytes
+NOT_NUMERICS = ("timing_s/", "perf/", "memory/", "training/hybrid_sync_bytes", "training/hybrid_sync_peak_bytes",
+                "training/hybrid_sync_changed_fraction")
+
+
+def test_delta_sync_logs_what_full_sync_logs():
+    """rollout.weight_sync.mode=delta loads, bit for bit, the weights a full sync loads
+    (tests/hybrid/test_reshard.py checks the streams at every step), so the demo's tp2 run logs every
+    metric of the same run in full mode exactly: rewards, losses, KL, gradient norms, the sync check's
+    log-prob gaps (issue 42). The delta run is the layout test's tp2 run (shared)."""
+    tp2 = {**layout_overrides(2, 1, 1), **CORRECTION}
+    delta = read_metrics(reference_run(2, **tp2, **{"rollout.weight_sync.mode": "delta"}))
+    full = read_metrics(reference_run(2, **tp2))
+    assert len(delta) == len(full) == 2
+    for d, f in zip(delta, full):
+        numerics = sorted(k for k in f if not k.startswith(NOT_NUMERICS))
+        assert sorted(k for k in d if not k.startswith(NOT_NUMERICS)) == numerics
+        assert len(numerics) > 30 and "actor/pg_loss" in numerics and "training/sync_logprob_diff_max" in numerics
+        differ = {k: (f[k], d[k]) for k in numerics if f[k] != d[k]}
+        assert not differ, f"step {f['step']}: delta and full sync logged different numbers: {differ}"
+    assert delta[1]["training/hybrid_sync_bytes"] < full[1]["training/hybrid_sync_bytes"] + 24 * 64
 
 
 @pytest.fixture
