@@ -1,8 +1,9 @@
-"""The GPU checks of issues 13 and 12, one process each, run by benchmarks/gpu/run_checks.sh.
+"""The GPU checks of issues 13, 12 and 42, one process each, run by benchmarks/gpu/run_checks.sh.
 
     python benchmarks/gpu/checks.py matmul --out benchmarks/results/gpu [--tiny]
     python benchmarks/gpu/checks.py actor  --out benchmarks/results/gpu [--tiny]
     python benchmarks/gpu/checks.py parity --out benchmarks/results/gpu [--tiny] [--families llama ...]
+    python benchmarks/gpu/checks.py delta  --out benchmarks/results/gpu [--tiny]
 
 matmul: the device's measured dense peak, TFLOP/s of an 8192^3 bf16 matmul (--tiny: 256^3 float32
 on CPU), the achievable ceiling the actor's MFU is also reported against. Writes matmul_peak.json.
@@ -24,6 +25,17 @@ costs), so a reader can tell a bf16 kernel's noise from a wrong model. The MoE f
 MoE forward without Transformer-Engine. A family that raises is recorded with its error, and the
 others still run. Writes parity_bf16.json after every family ("complete": false until the last), so
 a time-out keeps the families already measured.
+
+delta (issue 42): the device side of rollout.weight_sync.mode=delta on one GPU. benchmarks/delta_sync.py
+measures bytes and time over a real link between two ranks (2 GPUs with NCCL, or gloo on CPU); with
+one GPU there is no link, so this check measures what a delta costs on the device against what it
+saves on the wire: the models and PPO updates of benchmarks/delta_sync.py (TinyLlama-1.1B's layer
+shapes, a small-expert MoE; fp32 masters, AdamW) at lr 1e-6 and 1e-5, each weight's bf16 copy encoded
+against the last one (megarl.hybrid.delta.encode, the sender's work) and applied to a receiver's copy
+(delta.apply), checked bit for bit, timed against a plain device copy of the same bytes. Per lr:
+`bytes_over_full`, the changed fraction, encode and apply GB/s of full bytes, and
+`break_even_link_gbps`: the link bandwidth below which the delta is faster end to end (the bytes
+it saves take longer on the wire than its encode + apply). Writes delta_sync_device.json.
 
 Every check writes its JSON as soon as it has numbers (`save`), not only at the end.
 Not here yet (a place is kept in run_checks.sh): the long-context check and the LoRA check, for
@@ -53,7 +65,8 @@ BENCHMARKS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(BENCHMARKS))  # _common, overhead
 
 MFU_TARGET = 0.40  # issue 13: the ~1B actor update in bf16 without TE reaches at least 40% MFU (of the datasheet peak)
-OUTPUTS = {"matmul": "matmul_peak.json", "actor": "actor_update_1b.json", "parity": "parity_bf16.json"}
+OUTPUTS = {"matmul": "matmul_peak.json", "actor": "actor_update_1b.json", "parity": "parity_bf16.json",
+           "delta": "delta_sync_device.json"}
 
 
 def main(argv=None) -> int:
@@ -88,6 +101,8 @@ def main(argv=None) -> int:
     if args.check == "matmul":
         result = matmul(args, gpu)
         save(result)
+    elif args.check == "delta":
+        result = delta_on_device(args, gpu, save)
     else:
         from megarl.parallel import dims_from_env
 
@@ -258,6 +273,73 @@ def parity_one(family: str, model_dir: Path, dims, gpu: bool, lengths, gen) -> d
         ok = mine_gap["max_abs"] <= 1e-4
     return {"ok": ok, "moe": spec.is_moe, "dtype": dtype, "tokens": sum(n - 1 for n in lengths),
             "megarl_vs_transformers_fp32": mine_gap, "transformers_bf16_vs_fp32": hf_gap if gpu else None}
+
+
+def delta_on_device(args, gpu: bool, save) -> dict:
+    import delta_sync as bench
+
+    from megarl.hybrid import delta
+
+    device = torch.device("cuda" if gpu else "cpu")
+    bench.DEVICE = device  # the benchmark's PPO update runs where its model is
+    result: dict = {"check": "delta weight sync on the device (issue 42)", "lrs": {}, "complete": False, "ok": False}
+
+    def timed(fn):
+        if gpu:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = fn()
+        if gpu:
+            torch.cuda.synchronize()
+        return out, time.perf_counter() - start
+
+    steps = 3 if args.tiny else 10
+    for lr in (1e-6, 1e-5):
+        full_bytes = sent = changed = elements = 0
+        encode_s = apply_s = copy_s = 0.0
+        for kind in ("dense", "moe"):
+            model = bench.build_model(kind, 1, args.tiny).to(device)
+            opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.01)
+            vocab = model.config.vocab_size
+
+            def bf16_bytes(model):
+                return {n: p.detach().to(torch.bfloat16).contiguous().view(-1).view(torch.uint8) for n, p in model.named_parameters()}
+
+            last, receiver = bf16_bytes(model), bf16_bytes(model)  # after the first (full) sync both ends hold the same
+            for step in range(1, steps + 1):
+                bench.ppo_update(model, opt, step, 4, 48, vocab)
+                new = bf16_bytes(model)
+                for name, seg in new.items():
+                    pieces = [delta.Piece(0, seg.numel(), 2)]
+                    enc, t_enc = timed(lambda: delta.encode(seg, last[name], pieces))
+                    _, t_copy = timed(lambda: receiver[name].copy_(seg))  # what full mode does with the bytes
+                    receiver[name].copy_(last[name])  # back to the receiver's state before this sync
+                    if enc.payload is None:  # denser than the break-even: the segment goes whole
+                        t_app = t_copy
+                        receiver[name].copy_(seg)
+                        sent += seg.numel()
+                    else:
+                        _, t_app = timed(lambda: delta.apply(receiver[name], enc.encoding, enc.changed, enc.payload, pieces))
+                        sent += enc.payload.numel()
+                    if not torch.equal(receiver[name], seg):
+                        raise AssertionError(f"{kind} lr {lr:g} step {step}: {name} after the delta differs from the full copy")
+                    full_bytes += seg.numel()
+                    changed += enc.changed
+                    elements += enc.elements
+                    encode_s, apply_s, copy_s = encode_s + t_enc, apply_s + t_app, copy_s + t_copy
+                last = new
+            del model, opt
+        saved = full_bytes - sent
+        result["lrs"][f"{lr:g}"] = {
+            "bytes_over_full": round(sent / full_bytes, 4), "changed_fraction": round(changed / elements, 5),
+            "full_bytes_per_sync": full_bytes // steps, "encode_gbps": round(full_bytes / encode_s / 1e9, 3),
+            "apply_gbps": round(full_bytes / apply_s / 1e9, 3), "device_copy_gbps": round(full_bytes / copy_s / 1e9, 3),
+            "break_even_link_gbps": round(saved / (encode_s + apply_s) / 1e9, 3) if saved > 0 else 0.0}
+        save(result)
+    result.update(complete=True, ok=True, steps=steps, device=str(device),
+                  models="TinyLlama-1.1B layer shapes and a small-expert Qwen2-MoE, 1 layer each (benchmarks/delta_sync.py)")
+    save(result)
+    return result
 
 
 def environment(gpu: bool) -> dict:

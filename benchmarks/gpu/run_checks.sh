@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 13 and 12 in one go, for one H200 (torch 2.11, Python 3.12, no
+# The GPU checks of issues 13, 12 and 42 in one go, for one H200 (torch 2.11, Python 3.12, no
 # megatron-core and no Transformer-Engine in the image), in under 9 minutes:
 #   (0) the device's measured dense peak: an 8192^3 bf16 matmul (TFLOP/s);
 #   (a) issue 13: the actor update of a ~1B dense Llama in bf16 with megarl's SDPA attention, its MFU
@@ -68,10 +68,12 @@ run() {  # run NAME SECONDS ARGS...: one check under its own time limit, its log
   [ "$rc" = 0 ] || status=1
 }
 # Budgets (sum 525 s, inside the device tool's 560 with setup): matmul seconds after imports; 1B model creation +
-# load ~1-2 min, updates seconds; parity: imports + 7 tiny families, each written as it finishes.
+# load ~1-2 min, updates seconds; parity: imports + 7 tiny families, each written as it finishes; delta (issue 42):
+# 4 one-layer models built on the host, 10 PPO updates each, every weight encoded and applied (written per lr).
 run matmul 60 matmul
-run actor 270 actor
-run parity 195 parity ${families[@]:+--families "${families[@]}"}
+run actor 240 actor
+run parity 150 parity ${families[@]:+--families "${families[@]}"}
+run delta 75 delta
 # Planned, not written yet: the long-context check (actor update at 32k+ tokens per sequence, context
 # parallelism) and the LoRA check (adapter update + merged-weight sync), once megarl has long-context
 # training and LoRA. Each becomes one more family of checks.py (OUTPUTS) and one line here, e.g.

@@ -42,6 +42,14 @@ def test_run_checks_dry_run(tmp_path):
         assert row["megarl_vs_transformers_fp32"]["max_abs"] <= 1e-4
     assert parity["families"]["qwen3_moe"]["moe"] and not parity["families"]["llama"]["moe"]
 
+    # delta (issue 42): every weight's delta applied bit for bit (the check raises otherwise); fewer
+    # bytes than full at both rates, fewer at the smaller one, and a changed fraction below one
+    delta = json.loads((tmp_path / "delta_sync_device_tiny.json").read_text())
+    assert delta["ok"] and delta["complete"] and set(delta["lrs"]) == {"1e-06", "1e-05"}
+    low, high = delta["lrs"]["1e-06"], delta["lrs"]["1e-05"]
+    assert 0 < low["bytes_over_full"] < high["bytes_over_full"] < 1 and 0 < low["changed_fraction"] < 1
+    assert low["encode_gbps"] > 0 and low["apply_gbps"] > 0 and low["break_even_link_gbps"] > 0
+
 
 def test_parity_writes_each_family_as_it_goes(monkeypatch, tmp_path):
     """A time-out after the first family keeps its numbers: the JSON is rewritten after every family."""
