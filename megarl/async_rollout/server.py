@@ -1,6 +1,6 @@
 """The rollout rank's program under rollout.placement=separate.
 
-Two threads, each on a process group of its own (megarl.placement.WorldGroups), so they never
+Two threads, each on a process group of its own (megarl.distributed.placement.WorldGroups), so they never
 interleave operations on one group:
 - the receiving thread reads commands from the training ranks on `ctrl`: "weights" (then the
   weight stream, on `down` of the shared reshard plan, megarl.hybrid, into a staging copy: this rank's
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megarl import heartbeat
+from megarl.runtime import heartbeat
 from megarl.rollout.base import RolloutRequest, SamplingParams
 
 

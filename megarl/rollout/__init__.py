@@ -67,7 +67,7 @@ class RolloutSetup:
     megarl.rollout.vllm_direct) or "full" (full HF tensors on every rank, sliced by the engine:
     the hf engine, SGLang, vLLM for MoE and anything the direct path does not cover);
     weight_path_reason says why. groups: the engine instance's ranks
-    (megarl.parallel.RolloutGroups), for dispatching prompts.
+    (megarl.distributed.parallel.RolloutGroups), for dispatching prompts.
     """
 
     engine: RolloutEngine
