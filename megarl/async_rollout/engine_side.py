@@ -21,7 +21,7 @@ import contextlib
 
 import torch
 
-from megarl.async_rollout.server import recv_object, send_object
+from megarl.async_rollout.wire import recv_object, send_object
 
 
 @contextlib.contextmanager

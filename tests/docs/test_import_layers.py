@@ -30,7 +30,6 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "megarl"
 
 KNOWN_MODULE_CYCLES = {
-    ("megarl.async_rollout.engine_side", "megarl.async_rollout.server"),
     ("megarl.models.lora", "megarl.models.lora_peft"),
     ("megarl.rollout.vllm", "megarl.rollout.vllm_partial"),
     ("megarl.tools.dryrun_checkpoint", "megarl.tools.dryrun_rank"),
