@@ -85,7 +85,7 @@ class Run:
 
     def __init__(self, cfg, sizes, overrides: list[str], dims, separate=None):
         """dims: the training ranks' layout, None on a rank that only generates; separate: the world
-        split of rollout.placement=separate (megarl.distributed.placement.WorldGroups), None when colocated."""
+        split of rollout.placement=separate (megarl.async_rollout.placement.WorldGroups), None when colocated."""
         import torch.distributed as dist
 
         self.cfg, self.sizes, self.overrides, self.dims, self.separate = cfg, sizes, list(overrides), dims, separate
@@ -110,8 +110,8 @@ class Run:
 
         owns_process_group = not dist.is_initialized()
         separate = None
-        if cfg.rollout.placement == "separate":  # the last rollout.num_ranks ranks only generate (megarl/distributed/placement.py)
-            from megarl.distributed import placement
+        if cfg.rollout.placement == "separate":  # the last rollout.num_ranks ranks only generate (megarl/async_rollout/placement.py)
+            from megarl.async_rollout import placement
 
             separate = placement.start(cfg, world_size)
             if separate.placement.is_rollout(dist.get_rank()):

@@ -141,7 +141,7 @@ def _gspo_clip(actor_cfg) -> dict:
 
 class Trainer:
     def __init__(self, cfg: Config, dims: ParallelDims, log=print, separate=None):
-        """separate: the world split of rollout.placement=separate (megarl.distributed.placement.WorldGroups);
+        """separate: the world split of rollout.placement=separate (megarl.async_rollout.placement.WorldGroups);
         the rollout then runs on the rollout ranks (megarl.async_rollout)."""
         self.cfg, self.dims, self.log, self.separate = cfg, dims, log, separate
         self.global_batch = GlobalBatch(dims)

@@ -1,6 +1,6 @@
 """The rollout rank's program under rollout.placement=separate.
 
-Two threads, each on a process group of its own (megarl.distributed.placement.WorldGroups), so they never
+Two threads, each on a process group of its own (megarl.async_rollout.placement.WorldGroups), so they never
 interleave operations on one group:
 - the receiving thread reads commands from the training ranks on `ctrl`: "weights" (then the
   weight stream, on `down` of the shared reshard plan, megarl.hybrid, into a staging copy: this rank's

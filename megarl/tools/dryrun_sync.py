@@ -147,7 +147,7 @@ def adapter_sync(builds: list[tuple[RankBuild, list[int]]], layout) -> dict:
 
 
 def rollout_ranks(cfg, layout) -> tuple[int, ...] | None:
-    """The global ranks of the rollout engines under `rollout.placement=separate` (megarl.distributed.placement:
+    """The global ranks of the rollout engines under `rollout.placement=separate` (megarl.async_rollout.placement:
     after the training ranks), None when colocated."""
     if cfg.rollout.placement != "separate":
         return None

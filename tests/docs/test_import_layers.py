@@ -35,35 +35,29 @@ KNOWN_MODULE_CYCLES = {
     ("megarl.tools.dryrun_checkpoint", "megarl.tools.dryrun_rank"),
 }
 
-# The room edges on a cycle, one "a -> b" a line (the rooms of layer 1 that `describe` prints).
+# The room edges on a cycle, one "a -> b" a line (within the tangle `describe` prints as one layer).
 _ROOM_EDGES_ON_CYCLES = """
 agents -> rewards
 algorithms -> models
 capacity -> config
 capacity -> models
 checkpointing -> config
-checkpointing -> distributed
 checkpointing -> engine
 checkpointing -> models
 config -> capacity
 config -> checkpointing
 config -> data
-config -> distributed
 config -> models
 data -> agents
-distributed -> config
 engine -> checkpointing
-engine -> distributed
 engine -> models
 hybrid -> models
 hybrid -> rollout
 hybrid -> runtime
-models -> distributed
 models -> hybrid
 models -> rollout
 rewards -> config
 rewards -> data
-rewards -> distributed
 rewards -> engine
 rewards -> models
 rollout -> agents
@@ -71,11 +65,9 @@ rollout -> models
 rollout -> rewards
 rollout -> step
 runtime -> config
-runtime -> distributed
 step -> algorithms
 step -> config
 step -> data
-step -> distributed
 step -> engine
 """
 KNOWN_ROOM_CYCLES = {tuple(line.split(" -> ")) for line in _ROOM_EDGES_ON_CYCLES.split("\n") if line.strip()}

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import load_config
-from megarl.distributed.placement import Placement, split_world
+from megarl.async_rollout.placement import Placement, split_world
 from megarl.rollout.base import RolloutRequest, SamplingParams
 from sync_worker import PROMPTS, vllm_shard_bytes  # this directory: the colocated sync worker's prompts and bound
 
