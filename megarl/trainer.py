@@ -49,7 +49,7 @@ from megarl.step.distill import build_distillation
 from megarl.step.dynamic_sampling import FilteredRollout, generate_filtered
 from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
 from megarl.step.global_batch import GlobalBatch, LocalStats
-from megarl.runtime.guards import Guards
+from megarl.step.guards import Guards
 from megarl.hybrid.dispatch import DispatchGroups, generate_for_training
 from megarl.hybrid.engine import HybridEngine, release_cached_device_memory
 from megarl.hybrid.verify import WeightSyncMismatch, mismatch_message, sync_limits, sync_problem, sync_stats, token_prob_diff

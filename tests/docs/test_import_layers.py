@@ -53,7 +53,6 @@ engine -> checkpointing
 engine -> models
 hybrid -> models
 hybrid -> rollout
-hybrid -> runtime
 models -> hybrid
 models -> rollout
 rewards -> config
@@ -64,7 +63,6 @@ rollout -> agents
 rollout -> models
 rollout -> rewards
 rollout -> step
-runtime -> config
 step -> algorithms
 step -> config
 step -> data
