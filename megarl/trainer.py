@@ -54,7 +54,7 @@ from megarl.hybrid.dispatch import DispatchGroups, generate_for_training
 from megarl.hybrid.engine import HybridEngine, release_cached_device_memory
 from megarl.hybrid.verify import WeightSyncMismatch, mismatch_message, sync_limits, sync_problem, sync_stats, token_prob_diff
 from megarl.models.lora import LoraOptions
-from megarl.models.lora_sync import AdapterSync
+from megarl.hybrid.lora_sync import AdapterSync
 from megarl.models.moe_routing import RouterOptions
 from megarl.distributed.parallel import ParallelDims, all_reduce_host
 from megarl.platform.process_groups import all_gather_object
@@ -203,7 +203,7 @@ class Trainer:
         self.multi_turn = r.multi_turn.environment is not None  # self.rollout is then an EpisodeEngine
         self._setup_moe_routing(cfg)
         self.weight_path = setup.weight_path  # "adapter", "direct" or "full" (megarl.rollout.RolloutSetup)
-        # actor.lora into vLLM: the base once, then only the adapters (megarl.models.lora_sync)
+        # actor.lora into vLLM: the base once, then only the adapters (megarl.hybrid.lora_sync)
         self.adapter_sync = AdapterSync(self.actor, self.actor.lora, cfg.model.path) if self.weight_path == "adapter" else None
         self.hybrid = HybridEngine(self._actor_shards(), train=dims.layout,
                                    rollout=setup.weight_layout, bucket_bytes=r.bucket_bytes, convert=setup.convert, separate=separate,
@@ -494,7 +494,7 @@ class Trainer:
 
     # --- phases ---------------------------------------------------------------------------------
     def _hand_over(self):
-        """The actor's weights into the rollout engine (adapters only where megarl.models.lora_sync applies)."""
+        """The actor's weights into the rollout engine (adapters only where megarl.hybrid.lora_sync applies)."""
         if self.adapter_sync is not None:
             return self.adapter_sync.hand_over(self.hybrid, self.rollout, self._offload_all)
         return self.hybrid.hand_over(self.rollout, self._offload_all, self._actor_shards())

@@ -515,7 +515,7 @@ class MegatronEngine:
 
     def base_weight_shards(self):
         """As local_weight_shards, without merging the adapters: the frozen base under LoRA
-        (megarl.models.lora_sync sends it once; the engine applies the adapters itself)."""
+        (megarl.hybrid.lora_sync sends it once; the engine applies the adapters itself)."""
         self.onload(parts=("params",))
         return local_weight_shards(self.chunks, self.spec, self.dims)
 

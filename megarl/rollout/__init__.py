@@ -62,7 +62,7 @@ class RolloutSetup:
     engine: the RolloutEngine. weight_layout: the layout of the tensors its `load_weights`
     accepts, for the HybridEngine, and convert: canonical Megatron name + tensor of that layout ->
     what `load_weights` takes. weight_path: "adapter" (actor.lora into vLLM: the base once, then
-    only the adapters, megarl.models.lora_sync), "direct" (vLLM, dense families: each rank receives
+    only the adapters, megarl.hybrid.lora_sync), "direct" (vLLM, dense families: each rank receives
     exactly its rollout shard, written into vLLM's own sharded parameters,
     megarl.rollout.vllm_direct) or "full" (full HF tensors on every rank, sliced by the engine:
     the hf engine, SGLang, vLLM for MoE and anything the direct path does not cover);
@@ -94,7 +94,7 @@ def build_rollout(name: str, hf_dir: str, groups, *, seed: int = 0, device: str 
     applies, "full" always sends full HF tensors, "direct" refuses to fall back. Collective over the
     default group (vLLM: the engine and the path decision). log: rank 0 says which path runs.
     lora_rank, lora_targets: the actor's adapters (actor.lora); where the engine takes them as a
-    LoRA (vLLM, megarl.models.lora_sync) the path is "adapter": the base weights once as full HF
+    LoRA (vLLM, megarl.hybrid.lora_sync) the path is "adapter": the base weights once as full HF
     tensors, then only the adapters; elsewhere the merged weights go the usual way.
     """
     import torch.distributed as dist
@@ -108,7 +108,7 @@ def build_rollout(name: str, hf_dir: str, groups, *, seed: int = 0, device: str 
     no_adapter_path = "actor.lora is off"
     if lora_rank > 0:
         from megarl.models.families import load_spec
-        from megarl.models.lora_sync import adapter_sync_reason
+        from megarl.rollout.vllm_lora import adapter_sync_reason
 
         no_adapter_path = ("weight_sync='full' asked for full (merged) weights" if weight_sync == "full"
                            else adapter_sync_reason(name, lora_rank, lora_targets, load_spec(hf_dir).is_moe))

@@ -25,7 +25,7 @@ def weight_layout(cfg, spec):
     megarl.rollout.build_rollout, from the config alone (the direct path also asks vLLM's model,
     which a dry run does not build: it is assumed to hold the shapes megarl's table expects)."""
     from megarl.layout import RolloutLayout
-    from megarl.models.lora_sync import adapter_sync_reason
+    from megarl.rollout.vllm_lora import adapter_sync_reason
     from megarl.rollout.vllm_direct import DIRECT_FAMILIES, VOCAB_TENSORS, vocab_rows
 
     r, lora = cfg.rollout, cfg.actor.lora
@@ -127,7 +127,7 @@ ADAPTER_GATHER_BYTES = 4  # full_adapters gathers the adapters as float32
 
 
 def adapter_sync(builds: list[tuple[RankBuild, list[int]]], layout) -> dict:
-    """What the adapter path moves at every sync after the base's once (megarl.models.lora_sync):
+    """What the adapter path moves at every sync after the base's once (megarl.hybrid.lora_sync):
     megarl.models.lora.full_adapters all-gathers every rank's adapter shards over the whole world
     (float32), so each rank receives all the others' shards, data-parallel copies included, to
     assemble the whole adapter it hands to its engine. The ranks of a pipeline stage hold adapter

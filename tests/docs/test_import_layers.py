@@ -38,35 +38,17 @@ KNOWN_MODULE_CYCLES = {
 # The room edges on a cycle, one "a -> b" a line (within the tangle `describe` prints as one layer).
 _ROOM_EDGES_ON_CYCLES = """
 agents -> rewards
-algorithms -> models
 capacity -> config
-capacity -> models
 checkpointing -> config
 checkpointing -> engine
-checkpointing -> models
 config -> capacity
 config -> checkpointing
 config -> data
-config -> models
 data -> agents
 engine -> checkpointing
-engine -> models
-hybrid -> models
-hybrid -> rollout
-models -> hybrid
-models -> rollout
 rewards -> config
 rewards -> data
 rewards -> engine
-rewards -> models
-rollout -> agents
-rollout -> models
-rollout -> rewards
-rollout -> step
-step -> algorithms
-step -> config
-step -> data
-step -> engine
 """
 KNOWN_ROOM_CYCLES = {tuple(line.split(" -> ")) for line in _ROOM_EDGES_ON_CYCLES.split("\n") if line.strip()}
 
