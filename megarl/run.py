@@ -226,7 +226,7 @@ class Run:
         from megarl.checkpointing.checkpoint_io import abandon_newer
         from megarl.config import save_resolved
         from megarl.config.inputs import with_snapshots
-        from megarl.checkpointing.resume_changes import ResumeChangeError, check_resume, record_segment
+        from megarl.config.resume_changes import ResumeChangeError, check_resume, record_segment
         from megarl.trainer import Trainer
 
         t = self.cfg.trainer

@@ -39,16 +39,13 @@ KNOWN_MODULE_CYCLES = {
 _ROOM_EDGES_ON_CYCLES = """
 agents -> rewards
 capacity -> config
-checkpointing -> config
 checkpointing -> engine
 config -> capacity
-config -> checkpointing
 config -> data
 data -> agents
 engine -> checkpointing
 rewards -> config
 rewards -> data
-rewards -> engine
 """
 KNOWN_ROOM_CYCLES = {tuple(line.split(" -> ")) for line in _ROOM_EDGES_ON_CYCLES.split("\n") if line.strip()}
 
