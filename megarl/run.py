@@ -47,8 +47,8 @@ def check_config(config_path: str | None, overrides: list[str], world_size: int)
         sizes = validate(cfg, world_size)
         check_inputs(cfg, overrides)
         # colocated vLLM/SGLang on CUDA: will the engine's budget fit beside the training state from
-        # step 2 on? Decides the offloads left null (megarl/config/memory.py)
-        from megarl.config import memory
+        # step 2 on? Decides the offloads left null (megarl/capacity/memory_check.py)
+        from megarl.capacity import memory_check as memory
 
         cfg, memory_note = memory.check_colocated_memory(cfg, world_size)
         if memory_note and first_rank:

@@ -187,7 +187,7 @@ class Trainer:
         # backend's options. ------------------------------------------------------------------------
         r = cfg.rollout
         # Offloads as configured before the engine is built: vLLM and SGLang size their memory pools
-        # from what is free at that moment (megarl/config/memory.py decides the offloads left null).
+        # from what is free at that moment (megarl/capacity/memory_check.py decides the offloads left null).
         self._offload_all()
         release_cached_device_memory()
         if separate is None:

@@ -38,9 +38,7 @@ KNOWN_MODULE_CYCLES = {
 # The room edges on a cycle, one "a -> b" a line (within the tangle `describe` prints as one layer).
 _ROOM_EDGES_ON_CYCLES = """
 agents -> rewards
-capacity -> config
 checkpointing -> engine
-config -> capacity
 config -> data
 data -> agents
 engine -> checkpointing
