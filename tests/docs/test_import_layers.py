@@ -10,10 +10,11 @@ A *room* is a direct subpackage of megarl (megarl/step/, megarl/config/, ...) or
 megarl/ (megarl/trainer.py is the room "trainer"); external packages are not rooms. Two cycle lists:
 
 - KNOWN_MODULE_CYCLES: every elementary cycle between modules, each written from its smallest module;
-- KNOWN_ROOM_CYCLES: the room graph is one large tangle (some two hundred elementary cycles), so a
-  cycle between rooms is recorded by its edges: every import edge "a -> b" between two rooms that
-  reach each other, that is every edge lying on some cycle. A new edge that closes a cycle adds a
-  line; an import removed so that an edge lies on no cycle any more removes one.
+- KNOWN_ROOM_CYCLES: a cycle between rooms is recorded by its edges: every import edge "a -> b"
+  between two rooms that reach each other, that is every edge lying on some cycle (elementary room
+  cycles can be many: when this test was written 14 rooms formed one tangle of 198 of them, 40
+  edges). A new edge that closes a cycle adds a line; an import removed so that an edge lies on no
+  cycle any more removes one.
 
 The test asserts that the cycles found are exactly the listed ones: a new cycle fails it, and a
 broken one fails it until its line is deleted, so the lists only shrink. Issue 40 wants both empty.
@@ -29,13 +30,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "megarl"
 
+# Left: lora <-> lora_peft (the PEFT layout of MoE adapters and the adapters' export call each other),
+# vllm <-> vllm_partial (partial rollout reuses vllm.py's sampling helpers), dryrun_rank <->
+# dryrun_checkpoint (InvariantError lives in dryrun_rank, which calls dryrun_checkpoint's pieces).
 KNOWN_MODULE_CYCLES = {
     ("megarl.models.lora", "megarl.models.lora_peft"),
     ("megarl.rollout.vllm", "megarl.rollout.vllm_partial"),
     ("megarl.tools.dryrun_checkpoint", "megarl.tools.dryrun_rank"),
 }
 
-# The room edges on a cycle, one "a -> b" a line (within the tangle `describe` prints as one layer).
+# The room edges on a cycle, one "a -> b" a line (within the tangles `describe` prints as {...}). Left:
+# agents/config/data/rewards (config.inputs checks data files with megarl.data's helpers; data.prepare
+# writes the lookup demo's rows with megarl.agents.lookup, which scores with megarl.rewards.arithmetic;
+# rewards read the config and megarl.data's tokenizer) and checkpointing/engine (engine.checkpointing
+# loads through checkpoint_io, the run checkpoint saves the engines).
 _ROOM_EDGES_ON_CYCLES = """
 agents -> rewards
 checkpointing -> engine
