@@ -38,7 +38,7 @@ def main() -> int:
     from megarl.algorithms import policy_loss
     from megarl.engine.batch import SequenceBatch
     from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
-    from megarl.parallel import dims_from_env
+    from megarl.distributed.parallel import dims_from_env
 
     gpu = torch.cuda.is_available()
     seq = args.seq_len if args.preset != "tiny" else min(args.seq_len, 64)

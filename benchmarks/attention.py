@@ -34,7 +34,7 @@ def main() -> int:
     from megarl.models.packed_attention import PackedDotProductAttention
     from models.test_attention import config  # the unit test's TransformerConfig
 
-    from megarl.parallel import ParallelDims, _free_port
+    from megarl.distributed.parallel import ParallelDims, _free_port
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     ParallelDims(world_size=1).initialize()  # Megatron's local attention needs its parallel state

@@ -71,7 +71,7 @@ def one_layout(model_dir: str, layout: dict, seq_lens: list[int], rounds: int) -
     from megarl.algorithms import policy_loss
     from megarl.engine.batch import SequenceBatch
     from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
-    from megarl.parallel import dims_from_env
+    from megarl.distributed.parallel import dims_from_env
 
     dims = dims_from_env(**layout).initialize()
     out = {}
@@ -119,7 +119,7 @@ def main() -> int:
 
     from _common import device_name, finish, random_llama
 
-    from megarl.parallel import ParallelDims, dims_from_env
+    from megarl.distributed.parallel import ParallelDims, dims_from_env
 
     dims = dims_from_env().initialize()
     model_dir = str(random_llama(args.preset, dims, max(args.seq_lens), "long_context"))

@@ -58,7 +58,7 @@ def main() -> int:
         return ppo_steps(args)
 
     from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
-    from megarl.parallel import dims_from_env
+    from megarl.distributed.parallel import dims_from_env
 
     gpu = torch.cuda.is_available()
     dims = dims_from_env().initialize()

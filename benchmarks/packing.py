@@ -53,7 +53,7 @@ def main() -> int:
 
     from megarl.algorithms import policy_loss
     from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
-    from megarl.parallel import dims_from_env
+    from megarl.distributed.parallel import dims_from_env
 
     gpu = torch.cuda.is_available()
     hidden, inter, layers, heads, kv, vocab = PRESETS[args.preset]

@@ -49,7 +49,7 @@ def main(argv=None) -> None:
     from megarl.hybrid import HybridEngine, TrainLayout
     from megarl.hybrid.layout import RolloutLayout
     from megarl.models.convert import to_hf, weight_mappings
-    from megarl.parallel import RolloutGroups, dims_from_env
+    from megarl.distributed.parallel import RolloutGroups, dims_from_env
     from megarl.rollout import build_rollout
     from megarl.rollout.base import RolloutRequest, SamplingParams
     from megarl.tools.make_tiny_model import make_tiny_model

@@ -47,8 +47,8 @@ def check_config(config_path: str | None, overrides: list[str], world_size: int)
         sizes = validate(cfg, world_size)
         check_inputs(cfg, overrides)
         # colocated vLLM/SGLang on CUDA: will the engine's budget fit beside the training state from
-        # step 2 on? Decides the offloads left null (megarl/config/memory.py)
-        from megarl.config import memory
+        # step 2 on? Decides the offloads left null (megarl/capacity/memory_check.py)
+        from megarl.capacity import memory_check as memory
 
         cfg, memory_note = memory.check_colocated_memory(cfg, world_size)
         if memory_note and first_rank:
@@ -85,7 +85,7 @@ class Run:
 
     def __init__(self, cfg, sizes, overrides: list[str], dims, separate=None):
         """dims: the training ranks' layout, None on a rank that only generates; separate: the world
-        split of rollout.placement=separate (megarl.placement.WorldGroups), None when colocated."""
+        split of rollout.placement=separate (megarl.async_rollout.placement.WorldGroups), None when colocated."""
         import torch.distributed as dist
 
         self.cfg, self.sizes, self.overrides, self.dims, self.separate = cfg, sizes, list(overrides), dims, separate
@@ -110,8 +110,8 @@ class Run:
 
         owns_process_group = not dist.is_initialized()
         separate = None
-        if cfg.rollout.placement == "separate":  # the last rollout.num_ranks ranks only generate (megarl/placement.py)
-            from megarl import placement
+        if cfg.rollout.placement == "separate":  # the last rollout.num_ranks ranks only generate (megarl/async_rollout/placement.py)
+            from megarl.async_rollout import placement
 
             separate = placement.start(cfg, world_size)
             if separate.placement.is_rollout(dist.get_rank()):
@@ -119,7 +119,7 @@ class Run:
                 run.owns_process_group = owns_process_group
                 return run
             world_size = separate.placement.train_size
-        from megarl.parallel import ParallelDims
+        from megarl.distributed.parallel import ParallelDims
 
         layout = cfg.parallel
         dims = ParallelDims(world_size=world_size, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, etp=layout.etp,
@@ -168,7 +168,7 @@ class Run:
 
     def _lock(self) -> None:
         """One run per run_dir: rank 0 holds the lock until this process ends."""
-        from megarl.checkpoint_io import RunDirLock, RunDirLocked
+        from megarl.checkpointing.checkpoint_io import RunDirLock, RunDirLocked
 
         problem = None
         if self.rank == 0:
@@ -221,11 +221,12 @@ class Run:
         """The Trainer, resumed from the checkpoint trainer.resume names (auto: the newest complete one)
         after the config-change check; config.yaml and this segment's record written. make_trainer(cfg,
         dims, separate): another stage's trainer (megarl.supervised: SFT, reward model); None = PPO's."""
-        from megarl import checkpoint, hub
-        from megarl.checkpoint_io import abandon_newer
+        from megarl.checkpointing import checkpoint
+        from megarl import hub
+        from megarl.checkpointing.checkpoint_io import abandon_newer
         from megarl.config import save_resolved
         from megarl.config.inputs import with_snapshots
-        from megarl.resume_changes import ResumeChangeError, check_resume, record_segment
+        from megarl.config.resume_changes import ResumeChangeError, check_resume, record_segment
         from megarl.trainer import Trainer
 
         t = self.cfg.trainer
@@ -287,8 +288,8 @@ class Run:
         that path. Collective under 'auto': rank 0 first clears what a killed save left behind."""
         import torch.distributed as dist
 
-        from megarl.checkpoint import checkpoints_root, latest_checkpoint
-        from megarl.checkpoint_io import remove_leftovers
+        from megarl.checkpointing.checkpoint import checkpoints_root, latest_checkpoint
+        from megarl.checkpointing.checkpoint_io import remove_leftovers
 
         resume = self.cfg.trainer.resume
         if resume == "never":
@@ -304,7 +305,7 @@ class Run:
     def train(self, trainer) -> None:
         """Trainer.train with rank 0's loggers, the preemption watch and the heartbeat; a run ended by
         a signal raises Preempted (exit 75) after its checkpoint, past this method."""
-        from megarl.dynamic_sampling import NotEnoughGroups
+        from megarl.step.dynamic_sampling import NotEnoughGroups
         from megarl.rewards import RewardError
         from megarl.tracking import Tracker
 
@@ -328,10 +329,10 @@ class Run:
 
     @contextlib.contextmanager
     def _watched(self):
-        """SIGTERM / SIGUSR1 caught for a stop at a step boundary (megarl/preemption.py), and this rank's
-        heartbeat with its watchdog (megarl/heartbeat.py), for the duration of the loop."""
-        from megarl import heartbeat
-        from megarl.preemption import PreemptionWatch
+        """SIGTERM / SIGUSR1 caught for a stop at a step boundary (megarl/runtime/preemption.py), and this rank's
+        heartbeat with its watchdog (megarl/runtime/heartbeat.py), for the duration of the loop."""
+        from megarl.runtime import heartbeat
+        from megarl.runtime.preemption import PreemptionWatch
 
         watch = PreemptionWatch().install()
         beat = heartbeat.start_for_world(self.cfg.trainer.collective_timeout_s, self.rank, self.dims.world_size,

@@ -18,7 +18,7 @@ and their samples; quantities defined over the whole batch (advantage whitening,
 the KL controller's input) are computed on the all-gathered batch, so every layout computes the
 same numbers.
 
-What a step computes travels in typed, immutable records (megarl.step_record: Scores, Correction,
+What a step computes travels in typed, immutable records (megarl.step.step_record: Scores, Correction,
 StepRecord; the losses read LossInputs / ModelOutputs / Totals), built once by the phase that computes them.
 
 It is long because the Trainer builds the engines and the rollout side as well as running the loop
@@ -37,27 +37,29 @@ import torch
 import torch.distributed as dist
 
 from megarl import algorithms as A
-from megarl import checkpoint, heartbeat, profiling, rollout_corr
+from megarl.checkpointing import checkpoint
+from megarl.runtime import heartbeat, profiling
+from megarl.step import rollout_corr
 from megarl.async_rollout.client import AsyncSchedule
 from megarl.async_rollout.trainer_side import remote_setup, take_step
 from megarl.config import Config
 from megarl.data.dataset import PromptDataset, PromptRow
 from megarl.data.tokenizer import load_tokenizer
-from megarl.distill import build_distillation
-from megarl.dynamic_sampling import FilteredRollout, generate_filtered
+from megarl.step.distill import build_distillation
+from megarl.step.dynamic_sampling import FilteredRollout, generate_filtered
 from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
-from megarl.global_batch import GlobalBatch, LocalStats
-from megarl.guards import Guards
+from megarl.step.global_batch import GlobalBatch, LocalStats
+from megarl.step.guards import Guards
 from megarl.hybrid.dispatch import DispatchGroups, generate_for_training
 from megarl.hybrid.engine import HybridEngine, release_cached_device_memory
 from megarl.hybrid.verify import WeightSyncMismatch, mismatch_message, sync_limits, sync_problem, sync_stats, token_prob_diff
 from megarl.models.lora import LoraOptions
-from megarl.models.lora_sync import AdapterSync
+from megarl.hybrid.lora_sync import AdapterSync
 from megarl.models.moe_routing import RouterOptions
-from megarl.parallel import ParallelDims, all_reduce_host
+from megarl.distributed.parallel import ParallelDims, all_reduce_host
 from megarl.platform.process_groups import all_gather_object
-from megarl.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch
-from megarl.profiling import StepProfiler
+from megarl.runtime.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch
+from megarl.runtime.profiling import StepProfiler
 from megarl.rewards import build_reward_fn
 from megarl.rewards.decode import check_token_ids, response_text
 from megarl.rewards.model import RewardModel
@@ -65,9 +67,9 @@ from megarl.rewards.overlong import overlong_penalty
 from megarl.rollout import build_rollout
 from megarl.rollout.base import RolloutRequest, SamplingParams
 from megarl.rollout.multi_turn import env_rows, episode_metrics, with_environment
-from megarl.samples import RolloutBatch, Sample, id_records, merge_id_records, to_rollout_batch
-from megarl.step_metrics import local_stats, step_metrics
-from megarl.step_record import LossInputs, ModelOutputs, Scores, StepRecord, Totals, fields_of
+from megarl.step.samples import RolloutBatch, Sample, id_records, merge_id_records, to_rollout_batch
+from megarl.step.step_metrics import local_stats, step_metrics
+from megarl.step.step_record import LossInputs, ModelOutputs, Scores, StepRecord, Totals, fields_of
 
 
 def stop_token_ids(rollout, eos_token_id: int | None) -> tuple[int, ...]:
@@ -139,7 +141,7 @@ def _gspo_clip(actor_cfg) -> dict:
 
 class Trainer:
     def __init__(self, cfg: Config, dims: ParallelDims, log=print, separate=None):
-        """separate: the world split of rollout.placement=separate (megarl.placement.WorldGroups);
+        """separate: the world split of rollout.placement=separate (megarl.async_rollout.placement.WorldGroups);
         the rollout then runs on the rollout ranks (megarl.async_rollout)."""
         self.cfg, self.dims, self.log, self.separate = cfg, dims, log, separate
         self.global_batch = GlobalBatch(dims)
@@ -168,7 +170,7 @@ class Trainer:
         self.ref_from_actor = self.uses_ref and cfg.actor.lora.rank > 0 and not cfg.ref.separate_model
         self.ref = (MegatronEngine(cfg.model.path, dims, engine_config(cfg, "ref", t.total_steps), trainable=False)
                     if self.uses_ref and not self.ref_from_actor else None)
-        # algorithm.distill: a teacher built as the reference is, scoring the samples (megarl.distill)
+        # algorithm.distill: a teacher built as the reference is, scoring the samples (megarl.step.distill)
         teacher = (MegatronEngine(alg.distill.teacher_path, dims, engine_config(cfg, "ref", t.total_steps), trainable=False)
                    if alg.distill.teacher_path else None)
         self.distill = build_distillation(alg.distill, teacher, self.actor, cfg.model.path, self.global_batch) if teacher else None
@@ -185,7 +187,7 @@ class Trainer:
         # backend's options. ------------------------------------------------------------------------
         r = cfg.rollout
         # Offloads as configured before the engine is built: vLLM and SGLang size their memory pools
-        # from what is free at that moment (megarl/config/memory.py decides the offloads left null).
+        # from what is free at that moment (megarl/capacity/memory_check.py decides the offloads left null).
         self._offload_all()
         release_cached_device_memory()
         if separate is None:
@@ -201,7 +203,7 @@ class Trainer:
         self.multi_turn = r.multi_turn.environment is not None  # self.rollout is then an EpisodeEngine
         self._setup_moe_routing(cfg)
         self.weight_path = setup.weight_path  # "adapter", "direct" or "full" (megarl.rollout.RolloutSetup)
-        # actor.lora into vLLM: the base once, then only the adapters (megarl.models.lora_sync)
+        # actor.lora into vLLM: the base once, then only the adapters (megarl.hybrid.lora_sync)
         self.adapter_sync = AdapterSync(self.actor, self.actor.lora, cfg.model.path) if self.weight_path == "adapter" else None
         self.hybrid = HybridEngine(self._actor_shards(), train=dims.layout,
                                    rollout=setup.weight_layout, bucket_bytes=r.bucket_bytes, convert=setup.convert, separate=separate,
@@ -344,7 +346,7 @@ class Trainer:
         sync_check = (self._verify_sync(rollout_batch, old.logprobs, mask)
                       if not async_metrics.get("async/staleness_max") else StepResult({}, []))  # stale samples differ
         # algorithm.rollout_correction: importance weights / rejection between the engine's log-probs
-        # (behaviour) and the old log-probs (proximal), for the actor's loss (megarl.rollout_corr)
+        # (behaviour) and the old log-probs (proximal), for the actor's loss (megarl.step.rollout_corr)
         correction = rollout_corr.apply(alg.rollout_correction, old.logprobs, rollout_batch.rollout_logprobs, mask,
                                         rollout_batch.logprobs_are_scaled, self.global_batch)
         ref_logprobs = values = None
@@ -477,7 +479,7 @@ class Trainer:
         return scores
 
     def _generate_filtered(self) -> FilteredRollout:
-        """DAPO dynamic sampling (megarl.dynamic_sampling): scored samples of prompts_per_step groups
+        """DAPO dynamic sampling (megarl.step.dynamic_sampling): scored samples of prompts_per_step groups
         with a score spread, this rank's block; collective over the DP group."""
         return generate_filtered(self.data.next_step, lambda prompts: self._generate(prompts, self.sampling), self._score,
                                  self.global_batch.gather_objects, prompts_per_step=self.cfg.data.prompts_per_step,
@@ -492,7 +494,7 @@ class Trainer:
 
     # --- phases ---------------------------------------------------------------------------------
     def _hand_over(self):
-        """The actor's weights into the rollout engine (adapters only where megarl.models.lora_sync applies)."""
+        """The actor's weights into the rollout engine (adapters only where megarl.hybrid.lora_sync applies)."""
         if self.adapter_sync is not None:
             return self.adapter_sync.hand_over(self.hybrid, self.rollout, self._offload_all)
         return self.hybrid.hand_over(self.rollout, self._offload_all, self._actor_shards())
@@ -588,7 +590,7 @@ class Trainer:
                 kl = A.agg_loss(A.kl_penalty(o.logprobs, x.ref_logprobs, actor_cfg.kl_loss_type), mask, agg_mode, **agg)
                 loss = loss + actor_cfg.kl_loss_coef * kl
                 metrics["actor/kl_loss"] = _local_loss_value(kl, t, x)
-            if distill_loss:  # algorithm.distill.mode=loss: the reverse KL to the teacher (megarl.distill)
+            if distill_loss:  # algorithm.distill.mode=loss: the reverse KL to the teacher (megarl.step.distill)
                 rkl = self.distill.loss(o.logprobs, x.teacher_logprobs, mask, agg_mode, **agg)
                 loss = loss + self.distill.coef * rkl
                 metrics["actor/distill_loss"] = _local_loss_value(rkl, t, x)
@@ -757,7 +759,7 @@ class _Timer:
         self.clock, self.name = clock, name
 
     def __enter__(self):
-        heartbeat.enter(self.name)  # the phase a stall report names (megarl/heartbeat.py)
+        heartbeat.enter(self.name)  # the phase a stall report names (megarl/runtime/heartbeat.py)
         self.range = profiling.phase(self.name.replace("timing_s/", "ppo_step/"))
         self.range.__enter__()
         self.start = time.perf_counter()

@@ -185,7 +185,7 @@ def world_of_one():
     """ParallelDims(world_size=1) initialised on gloo in this process; env and groups restored after."""
     import torch.distributed as dist
 
-    from megarl.parallel import ParallelDims, _free_port
+    from megarl.distributed.parallel import ParallelDims, _free_port
 
     saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))

@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     if not gpu and not args.tiny:
         print("error: no CUDA device; run with --tiny for a CPU dry run of the same code", file=sys.stderr)
         return 2
-    from megarl.parallel import dims_from_env
+    from megarl.distributed.parallel import dims_from_env
 
     out = Path(args.out) / OUTPUTS[args.check]
     if args.tiny:
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     elif args.check == "delta":
         result = delta_on_device(args, gpu, save)
     else:
-        from megarl.parallel import dims_from_env
+        from megarl.distributed.parallel import dims_from_env
 
         dims = dims_from_env().initialize()
         result = (actor if args.check == "actor" else parity)(args, dims, gpu, save)

@@ -35,7 +35,7 @@ def side(model_dir: str, cp: int, use_te: bool, L: int, dtype: str, rounds: int,
     from megarl.engine.batch import SequenceBatch
     from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
     from megarl.models import builder
-    from megarl.parallel import dims_from_env
+    from megarl.distributed.parallel import dims_from_env
 
     builder_te = builder.uses_transformer_engine
     if not use_te:  # megarl's SDPA/CP core attention even where TE is installed
@@ -91,7 +91,7 @@ def main() -> int:
     from _common import PRESETS, device_name, finish, random_llama
 
     from megarl.models.builder import have_transformer_engine
-    from megarl.parallel import dims_from_env
+    from megarl.distributed.parallel import dims_from_env
 
     preset, dtype = ("tiny", "float32") if args.dry_run else ("1b", "bfloat16")
     seq_lens = [64, 128] if args.dry_run else list(args.seq_lens)

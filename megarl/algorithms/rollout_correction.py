@@ -143,7 +143,7 @@ def compute_rollout_correction(
 
 # --- metrics ----------------------------------------------------------------------------------------
 # Each metric is a partial (kind, numerator-or-value, denominator) so a trainer can reduce it over
-# data-parallel ranks (megarl.global_batch.LocalStats) and get the global-batch value; `metrics` does
+# data-parallel ranks (megarl.step.global_batch.LocalStats) and get the global-batch value; `metrics` does
 # the same reduction over one batch. Names are verl's (rollout_corr_helper.compute_offpolicy_metrics).
 
 def metric_partials(corr: Correction, old_logp: torch.Tensor, rollout_logp: torch.Tensor,

@@ -9,4 +9,7 @@
   and `AsyncSchedule` (requests K steps ahead, the staleness check and refill, its checkpoint state);
 - `engine_side.py`: the rollout ranks' engine, built with their own group as vLLM's world, and the
   weight layout it loads, sent to the training ranks.
+- `placement.py`: the world split (`Placement`, `split_world`, `start`); its config rules are
+  megarl.config.placement_rules';
+- `wire.py`: `send_object` / `recv_object`, the pickled messages between the two sides.
 """

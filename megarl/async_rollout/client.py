@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from megarl.async_rollout.server import recv_object, send_object
+from megarl.async_rollout.wire import recv_object, send_object
 from megarl.async_rollout.staleness import StalenessStats, split_fresh, trained_version
 from megarl.hybrid.dispatch import share_bounds
 from megarl.platform.process_groups import all_gather_object

@@ -21,7 +21,7 @@ import contextlib
 
 import torch
 
-from megarl.async_rollout.server import recv_object, send_object
+from megarl.async_rollout.wire import recv_object, send_object
 
 
 @contextlib.contextmanager
@@ -43,7 +43,7 @@ def build_engine(cfg, groups, rank: int):
     megarl.rollout.RolloutSetup, whose `groups.ranks` are global ranks."""
     import dataclasses
 
-    from megarl.parallel import RolloutGroups
+    from megarl.distributed.parallel import RolloutGroups
     from megarl.platform import current_platform
     from megarl.rollout import build_rollout
 

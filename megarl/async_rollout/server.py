@@ -1,6 +1,6 @@
 """The rollout rank's program under rollout.placement=separate.
 
-Two threads, each on a process group of its own (megarl.placement.WorldGroups), so they never
+Two threads, each on a process group of its own (megarl.async_rollout.placement.WorldGroups), so they never
 interleave operations on one group:
 - the receiving thread reads commands from the training ranks on `ctrl`: "weights" (then the
   weight stream, on `down` of the shared reshard plan, megarl.hybrid, into a staging copy: this rank's
@@ -16,34 +16,16 @@ overtake rank 0's "weights" command, so the floor, not arrival order, decides.
 """
 from __future__ import annotations
 
-import pickle
 import queue
 import threading
 import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from megarl import heartbeat
+from megarl.async_rollout.wire import recv_object, send_object
+from megarl.runtime import heartbeat
 from megarl.rollout.base import RolloutRequest, SamplingParams
-
-
-def send_object(obj, dst: int, group) -> None:
-    """A picklable object to global rank `dst`: its length, then its bytes (host tensors: gloo)."""
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst=dst, group=group)
-    dist.send(payload, dst=dst, group=group)
-
-
-def recv_object(src: int | None, group):
-    """The next object from `src`, or from any rank when src is None (torch's recv_object_list
-    takes no wildcard source)."""
-    size = torch.empty(1, dtype=torch.int64)
-    sender = dist.recv(size, src=src, group=group)
-    payload = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.recv(payload, src=sender, group=group)
-    return pickle.loads(payload.numpy().tobytes())
 
 
 @dataclass

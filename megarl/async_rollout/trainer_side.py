@@ -6,9 +6,9 @@ import torch
 
 from megarl.async_rollout.client import AsyncSchedule, RemoteRollout
 from megarl.async_rollout.engine_side import receive_layout
-from megarl.global_batch import LocalStats
+from megarl.step.global_batch import LocalStats
 from megarl.hybrid.transfer import identity_convert
-from megarl.parallel import RolloutGroups
+from megarl.distributed.parallel import RolloutGroups
 from megarl.rollout import RolloutSetup
 
 

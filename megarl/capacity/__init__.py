@@ -5,6 +5,8 @@ that the engine's own numbers can be checked against it (tests/capacity):
 - `arch`: the model's tensors as Megatron holds them, parameter counts, FLOPs per token;
 - `hardware`: the GPU table (memory, bf16 peak, NVLink/IB bandwidth), user-extendable;
 - `estimate`: per-GPU memory by phase, weight-sync bytes, step time by phase, layout search.
+- `memory_check`: the start-up memory check of a colocated vLLM/SGLang engine (megarl.run; it
+  decides the offloads left null); it imports torch lazily and is not imported here.
 
 CLI: `python -m megarl.tools.plan` (megarl/tools/plan.py).
 """

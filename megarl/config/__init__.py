@@ -5,6 +5,7 @@
     validation  values, cross-field rules and layout arithmetic (pure: no disk)
     inputs      what the config names on disk (resume checkpoint, model, data files)
     docs        docs/configuration.md rendered from the schema (`python -m megarl.config --docs`)
+    resume_changes  what changed since the checkpoint a run resumes from (megarl.run uses it)
 
     cfg = load_config("configs/tiny_cpu.yaml", ["actor.optim.lr=1e-3", "trainer.total_steps=5"])
     sizes = validate(cfg, world_size)   # layout arithmetic, before any process group exists

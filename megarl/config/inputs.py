@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from megarl import checkpoint_io, hub
+from megarl.checkpointing import checkpoint_io
+
+from megarl import hub
 from megarl.config.schema import Config, ConfigError
 from megarl.layout import ParallelLayout
 from megarl.models.families import LARGE_MOE_FAMILIES, MOE_FAMILIES

@@ -3,7 +3,7 @@
 
 Saved as `ShardedTensor`s with global offsets, so a checkpoint written under one TP/PP/DP layout
 loads under any other. Atomicity (temporary directory, rename, COMPLETE marker) is the caller's:
-`megarl.checkpoint` wraps every engine save of a run. Two Megatron-Core 0.16 gaps are covered
+`megarl.checkpointing.checkpoint` wraps every engine save of a run. Two Megatron-Core 0.16 gaps are covered
 here, each explained where it is handled.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from megarl.checkpoint_io import UnsafeCheckpointError, check_dcp_metadata, load_plain
+from megarl.checkpointing.checkpoint_io import UnsafeCheckpointError, check_dcp_metadata, load_plain
 from megarl.engine import adapter_checkpoint
 from megarl.platform import mcore_version
 

@@ -74,7 +74,7 @@ def check_same_batches(micro_batches: list[dict], group) -> None:
     flat = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
     weights = torch.arange(1, len(flat) + 1, dtype=torch.long) % 1000003
     mine = torch.tensor([len(flat), int((flat * weights).sum()), len(micro_batches)], dtype=torch.long)
-    from megarl.parallel import all_gather_host
+    from megarl.distributed.parallel import all_gather_host
 
     seen = all_gather_host(mine, group, dist.get_world_size(group))
     if any(not torch.equal(s, mine) for s in seen):

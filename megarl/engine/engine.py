@@ -30,7 +30,7 @@ from megarl.models.moe_routing import RouterOptions
 from megarl.models.sequence_parallel import sequence_multiple
 from megarl.models.vocab_parallel import vocab_parallel_entropy, vocab_parallel_logprobs
 from megarl.models.weights import export_hf, local_weight_shards, save_hf_checkpoint, unwrap
-from megarl.parallel import ParallelDims, all_reduce_host, broadcast_host
+from megarl.distributed.parallel import ParallelDims, all_reduce_host, broadcast_host
 from megarl.platform import host_allocator
 from megarl.platform.cpu_compat import backward_without_device_rewrite, device_rewrite_paused
 
@@ -71,7 +71,7 @@ class EngineConfig:
 #   per-token fields for these rows; totals: {"tokens", "seqs"} of the whole mini-batch.
 #   A metric value is a float or a 0-d tensor: tensors are summed where they are and read once per
 #   train_step (no host synchronisation inside the loss). The trainer's losses read the three as
-#   typed records (megarl.step_record: ModelOutputs.of, LossInputs.of, Totals.of).
+#   typed records (megarl.step.step_record: ModelOutputs.of, LossInputs.of, Totals.of).
 LossFn = Callable[[dict, dict, dict], tuple[torch.Tensor, dict[str, "float | torch.Tensor"]]]
 
 
@@ -515,7 +515,7 @@ class MegatronEngine:
 
     def base_weight_shards(self):
         """As local_weight_shards, without merging the adapters: the frozen base under LoRA
-        (megarl.models.lora_sync sends it once; the engine applies the adapters itself)."""
+        (megarl.hybrid.lora_sync sends it once; the engine applies the adapters itself)."""
         self.onload(parts=("params",))
         return local_weight_shards(self.chunks, self.spec, self.dims)
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.models.moe_routing import ROUTES, replaying
-from megarl.parallel import ParallelDims, broadcast_host
+from megarl.distributed.parallel import ParallelDims, broadcast_host
 from megarl.platform.cpu_compat import device_rewrite_paused
 
 # compute(output, micro_batch) -> {name: tensor [micro_batch, ...]}; output is the last stage's

@@ -60,7 +60,7 @@ class HybridEngine:
         `rollout.rows` where the engine splits unevenly) -> [(engine name, tensor)]: what
         `megarl.rollout.build_rollout` returns as `RolloutSetup.convert`. Identity by default.
     bucket_bytes: the most bytes one bucket stages on a rank (send + receive).
-    separate: the world split of separate placement (megarl.placement.WorldGroups): the rollout
+    separate: the world split of separate placement (megarl.async_rollout.placement.WorldGroups): the rollout
         ranks, which hold no training shard (empty local_shards), load the stream; the same plan,
         point to point over `separate.down`. Collective over the whole world then.
     mode: rollout.weight_sync.mode: "full" sends every rollout shard whole at every sync; "delta"

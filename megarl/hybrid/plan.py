@@ -243,7 +243,7 @@ def make_plan(specs: dict[str, TensorSpec], train: ParallelLayout, assignment: R
 
     rollout_rows: {name: rows of tp_dim per rollout rank} for tensors the engine splits unevenly.
     receivers: the ranks that load rollout shards when they are not the training ranks (separate
-    placement, megarl.placement): global ranks from train.world_size on, described by
+    placement, megarl.async_rollout.placement): global ranks from train.world_size on, described by
     `assignment` (separate_assignment), holding no training shard.
 
     The steps, each owned by its own piece: the specs checked and given their rollout rows

@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megarl import profiling
+from megarl.runtime import profiling
 from megarl.hybrid import delta
 from megarl.hybrid.plan import Chunk, Op, Plan, Span, TensorSpec
 

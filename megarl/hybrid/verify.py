@@ -14,7 +14,7 @@ reduced over the DP group, so all ranks reach the same verdict) against a per-dt
 The per-step statistics are logged as `training/sync_logprob_diff_{mean,p99,max}`.
 `compare_logprobs` is the older per-token check (tests). `token_prob_diff` is the per-token gap
 behind verl's `training/rollout_probs_diff_*` metrics (reduced over the global batch in
-megarl.step_metrics; `rollout_probs_diff_metrics` gives this rank's values). The probe-batch check
+megarl.step.step_metrics; `rollout_probs_diff_metrics` gives this rank's values). The probe-batch check
 used by tests is tests/hybrid/sync_probe.py.
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@
 - `sync_cost.py`: what a delta weight sync puts on the wire (the encoding choice and its share of a
   full sync).
 
-`megarl.parallel.ParallelDims` (process groups), config validation, the planner (`megarl.capacity`),
+`megarl.distributed.parallel.ParallelDims` (process groups), config validation, the planner (`megarl.capacity`),
 the model builder, the HybridEngine and the rollout builder all read it.
 """
 from megarl.layout.model import ModelShape, check_model, check_rollout_heads, check_training, padded_vocab, refuse_moe_tensor_parallel

@@ -105,7 +105,7 @@ def assign_rollout(train: ParallelLayout, rollout: RolloutLayout) -> RolloutAssi
 
 
 def separate_assignment(train_size: int, rollout_ranks: tuple[int, ...], tp: int) -> RolloutAssignment:
-    """Separate placement (megarl.placement): the rollout ranks, after the `train_size` training
+    """Separate placement (megarl.async_rollout.placement): the rollout ranks, after the `train_size` training
     ranks, form engine instances of `tp` consecutive ranks. Every rank is its own micro-DP group:
     the rollout ranks hold no training shard, so each piece travels point to point from a holder."""
     if not rollout_ranks or min(rollout_ranks) < train_size:

@@ -14,7 +14,7 @@ from megarl.layout import ModelShape, check_model
 from megarl.models.families import ModelSpec
 from megarl.models.moe_routing import RouterOptions, router_config, use_hf_group_limited_topk
 from megarl.models.sequence_parallel import SequenceParallelNorm, local_norms, mla_sequence_sharded_kv
-from megarl.parallel import ParallelDims
+from megarl.distributed.parallel import ParallelDims
 from megarl.platform import current_platform
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

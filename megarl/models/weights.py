@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megarl.models.convert import WeightMapping, exported_mappings, mtp_tensor_names, read_shard, to_hf, weight_mappings
 from megarl.models.families import ModelSpec
 from megarl.models.sharding import ShardMeta
-from megarl.parallel import ParallelDims
+from megarl.distributed.parallel import ParallelDims
 
 logger = logging.getLogger(__name__)
 

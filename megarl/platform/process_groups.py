@@ -13,11 +13,11 @@ Internals read or written (torch.distributed.distributed_c10d):
   `_get_default_group()` read it): `set_default_group` / `default_group` replace the default
   process group. torch has no public way to run a program on a subset of the ranks as if it were
   the world; separate placement needs exactly that twice: the training ranks' group becomes their
-  default for good (megarl.placement.split_world), and the rollout ranks' group is the default
+  default for good (megarl.async_rollout.placement.split_world), and the rollout ranks' group is the default
   while vLLM's external_launcher builds its engine over it (megarl.async_rollout.engine_side).
 - `_get_default_group()`: the default group itself (to keep it across a swap).
 - `_world.pg_map[group]` = (backend, store) and `_get_default_store()`: the store of a group, on
-  which the heartbeat (megarl.heartbeat) keeps its counters; no public accessor exists.
+  which the heartbeat (megarl.runtime.heartbeat) keeps its counters; no public accessor exists.
 
 Public functions of torch.distributed replaced (callers that look them up as
 `torch.distributed.X` see the replacement):
@@ -86,7 +86,7 @@ def set_default_group(group):
     """Make `group` the default process group, for good; returns the previous one.
 
     Collectives and `new_group` without a group, `get_rank()` and `get_world_size()` then act on
-    `group` as the world. Used by megarl.placement.split_world on the training ranks."""
+    `group` as the world. Used by megarl.async_rollout.placement.split_world on the training ranks."""
     c10d = _c10d()
     previous = c10d._world.default_pg
     c10d._world.default_pg = group

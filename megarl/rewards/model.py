@@ -11,7 +11,7 @@ import torch
 
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.engine import EngineConfig, MegatronEngine
-from megarl.parallel import ParallelDims
+from megarl.distributed.parallel import ParallelDims
 
 
 class RewardModel:

@@ -62,12 +62,12 @@ class RolloutSetup:
     engine: the RolloutEngine. weight_layout: the layout of the tensors its `load_weights`
     accepts, for the HybridEngine, and convert: canonical Megatron name + tensor of that layout ->
     what `load_weights` takes. weight_path: "adapter" (actor.lora into vLLM: the base once, then
-    only the adapters, megarl.models.lora_sync), "direct" (vLLM, dense families: each rank receives
+    only the adapters, megarl.hybrid.lora_sync), "direct" (vLLM, dense families: each rank receives
     exactly its rollout shard, written into vLLM's own sharded parameters,
     megarl.rollout.vllm_direct) or "full" (full HF tensors on every rank, sliced by the engine:
     the hf engine, SGLang, vLLM for MoE and anything the direct path does not cover);
     weight_path_reason says why. groups: the engine instance's ranks
-    (megarl.parallel.RolloutGroups), for dispatching prompts.
+    (megarl.distributed.parallel.RolloutGroups), for dispatching prompts.
     """
 
     engine: RolloutEngine
@@ -91,7 +91,7 @@ def planned_weight_path(name: str, spec, tp: int, *, weight_sync: str = "auto", 
     None will do for the other engines without adapters)."""
     no_adapter_path = "actor.lora is off"
     if lora_rank > 0:
-        from megarl.models.lora_sync import adapter_sync_reason
+        from megarl.rollout.vllm_lora import adapter_sync_reason
 
         no_adapter_path = ("weight_sync='full' asked for full (merged) weights" if weight_sync == "full"
                            else adapter_sync_reason(name, lora_rank, lora_targets, spec.is_moe))
@@ -123,7 +123,7 @@ def build_rollout(name: str, hf_dir: str, groups, *, seed: int = 0, device: str 
     applies, "full" always sends full HF tensors, "direct" refuses to fall back. Collective over the
     default group (vLLM: the engine and the path decision). log: rank 0 says which path runs.
     lora_rank, lora_targets: the actor's adapters (actor.lora); where the engine takes them as a
-    LoRA (vLLM, megarl.models.lora_sync) the path is "adapter": the base weights once as full HF
+    LoRA (vLLM, megarl.hybrid.lora_sync) the path is "adapter": the base weights once as full HF
     tensors, then only the adapters; elsewhere the merged weights go the usual way.
     """
     import torch.distributed as dist

@@ -302,7 +302,7 @@ def episode_metrics(samples, engine, reduce) -> dict[str, float]:
     `reduce`: GlobalBatch.reduce (a collective over the DP group: every rank calls this)."""
     import torch
 
-    from megarl.global_batch import LocalStats
+    from megarl.step.global_batch import LocalStats
 
     if not (isinstance(engine, MultiTurnRollout) or getattr(engine, "multi_turn", False)):
         return {}  # (multi_turn: a remote engine whose rollout rank runs the episodes)

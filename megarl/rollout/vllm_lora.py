@@ -110,3 +110,21 @@ class AdapterSlot:
 
     def close(self) -> None:
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def adapter_sync_reason(engine: str, rank: int, targets, is_moe: bool) -> str | None:
+    """Why the adapter-only path does not apply, or None when it does."""
+    from megarl.models.lora_targets import ATTENTION_PROJECTIONS
+
+    if rank <= 0:
+        return "actor.lora is off"
+    if engine != "vllm":
+        return f"rollout.engine={engine} has no LoRA support in megarl (merged weights are sent)"
+    if rank > VLLM_LORA_RANKS[-1]:
+        return f"actor.lora.rank {rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}"
+    attention = {name for names in ATTENTION_PROJECTIONS.values() for name in names}
+    if is_moe and (targets is None or any(t not in attention for t in targets)):
+        # lora.moe_mlp_adapters: the PEFT export writes them in transformers 5's fused-expert layout
+        # (megarl.models.lora_peft, peft parameter targets), which vLLM's LoRA loader is not known to take
+        return "MLP adapters of a MoE model are not synced to vLLM as a LoRA (target attention only for adapter-only sync)"
+    return None

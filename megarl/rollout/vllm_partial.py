@@ -20,7 +20,7 @@ fresh stream that is a function of the sample's seed and how many tokens it kept
 is still a function of (weights and where they changed, prompt, seed); a request interrupted
 before its first token keeps its own seed. Each token records the version of the weights that
 computed it (RolloutResult.versions). vLLM tensor parallelism runs its ranks in lockstep, which
-an abort on one rank would break: partial rollout on vLLM is rollout.tp 1 (megarl.placement).
+an abort on one rank would break: partial rollout on vLLM is rollout.tp 1 (megarl.async_rollout.placement).
 """
 from __future__ import annotations
 

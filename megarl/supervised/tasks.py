@@ -19,7 +19,7 @@ import torch
 
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.engine import MegatronEngine
-from megarl.global_batch import GlobalBatch, LocalStats
+from megarl.step.global_batch import GlobalBatch, LocalStats
 from megarl.supervised.data import PreferencePair, SftExample
 from megarl.supervised.losses import bradley_terry, bradley_terry_score_grads, sft_loss_contribution
 

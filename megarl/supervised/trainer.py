@@ -8,7 +8,7 @@ is megarl.run.Run's, as for PPO; this module owns only the steps. A step is one 
 supervised.rows_per_step rows of data.train_files (megarl.supervised.data orders them); every
 trainer.val_every_steps steps (and at the last) the whole of data.val_files is scored.
 
-Checkpoints are PPO's (megarl.checkpoint): `<run_dir>/checkpoints/step_N/` with the trained engine
+Checkpoints are PPO's (megarl.checkpointing.checkpoint): `<run_dir>/checkpoints/step_N/` with the trained engine
 under its PPO role's name (SFT: `actor/`, the policy; reward model: `critic/`, a scalar-head model)
 and `trainer.pt` (step, data position, stage). `python -m megarl.tools.export_hf --ckpt` exports
 either (the reward model as a transformers `*ForSequenceClassification`).
@@ -19,14 +19,16 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from megarl import checkpoint, heartbeat
-from megarl.checkpoint_io import load_plain
+from megarl.checkpointing import checkpoint
+
+from megarl.runtime import heartbeat
+from megarl.checkpointing.checkpoint_io import load_plain
 from megarl.config import Config
 from megarl.data.tokenizer import load_tokenizer
 from megarl.engine.engine import MegatronEngine
-from megarl.global_batch import GlobalBatch
-from megarl.parallel import ParallelDims
-from megarl.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch
+from megarl.step.global_batch import GlobalBatch
+from megarl.distributed.parallel import ParallelDims
+from megarl.runtime.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch
 from megarl.supervised.data import RowOrder, read_rows
 from megarl.supervised.tasks import RewardTask, SftTask
 from megarl.trainer import engine_config

@@ -84,7 +84,7 @@ def checked_config(config: str, overrides: list[str], world_size: int):
     from megarl import hub
     from megarl.config import load_config, validate
     from megarl.config.inputs import check_model_layout
-    from megarl.placement import training_world
+    from megarl.config.placement_rules import training_world
 
     if world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {world_size}")

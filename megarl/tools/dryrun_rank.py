@@ -92,7 +92,7 @@ def build_rank(cfg, model_dir: str, world_size: int, rank: int) -> RankBuild:
     import time
 
     from megarl.engine.engine import MegatronEngine
-    from megarl.parallel import ParallelDims
+    from megarl.distributed.parallel import ParallelDims
     from megarl.platform import fake_world
     from megarl.trainer import engine_config
 

@@ -125,7 +125,7 @@ ADAPTER_GATHER_BYTES = 4  # full_adapters gathers the adapters as float32
 
 
 def adapter_sync(builds: list[tuple[RankBuild, list[int]]], layout) -> dict:
-    """What the adapter path moves at every sync after the base's once (megarl.models.lora_sync):
+    """What the adapter path moves at every sync after the base's once (megarl.hybrid.lora_sync):
     megarl.models.lora.full_adapters all-gathers every rank's adapter shards over the whole world
     (float32), so each rank receives all the others' shards, data-parallel copies included, to
     assemble the whole adapter it hands to its engine. The ranks of a pipeline stage hold adapter
@@ -145,7 +145,7 @@ def adapter_sync(builds: list[tuple[RankBuild, list[int]]], layout) -> dict:
 
 
 def rollout_ranks(cfg, layout) -> tuple[int, ...] | None:
-    """The global ranks of the rollout engines under `rollout.placement=separate` (megarl.placement:
+    """The global ranks of the rollout engines under `rollout.placement=separate` (megarl.async_rollout.placement:
     after the training ranks), None when colocated."""
     if cfg.rollout.placement != "separate":
         return None

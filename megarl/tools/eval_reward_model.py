@@ -19,7 +19,7 @@ def score_pairs(model_dir: str, data_files: list[str], limit: int | None = None)
     from transformers import AutoModelForSequenceClassification
 
     from megarl.data.tokenizer import load_tokenizer
-    from megarl.parallel import dims_from_env
+    from megarl.distributed.parallel import dims_from_env
     from megarl.rewards.model import RewardModel
 
     rows = [r for path in data_files for r in pq.read_table(path, columns=["prompt", "chosen", "rejected"]).to_pylist()][:limit]

@@ -5,7 +5,7 @@ number of processes (the checkpoint reshards); one is enough.
 """
 import sys
 
-from megarl.checkpoint import export_hf_main
+from megarl.checkpointing.checkpoint import export_hf_main
 
 if __name__ == "__main__":
     sys.exit(export_hf_main())

@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     from megarl.models import load_model_chunks
     from megarl.layout import ModelShape, check_model
     from megarl.models.families import load_spec
-    from megarl.parallel import dims_from_env
+    from megarl.distributed.parallel import dims_from_env
 
     try:
         if args.cp > 1 and args.pp > 1:

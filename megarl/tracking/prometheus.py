@@ -19,7 +19,7 @@ from typing import Any, Mapping
 from megarl.tracking.deps import require
 
 PREFIX = "megarl_"
-GUARDS = ("kl", "nan", "reward_collapse")  # megarl/guards.py's events, guard/<name>: each label exists from the start
+GUARDS = ("kl", "nan", "reward_collapse")  # megarl/step/guards.py's events, guard/<name>: each label exists from the start
 
 
 # Prometheus wants base units spelled out (promtool: "metric names should not contain abbreviated
@@ -55,7 +55,7 @@ class PrometheusExporter:
         self.registry = CollectorRegistry()  # our own: nothing else in the process leaks into /metrics
         ProcessCollector(registry=self.registry)
         self.step = Gauge(PREFIX + "step", "the last PPO step logged", registry=self.registry)
-        self.guards = Counter(PREFIX + "guard_firings", "guard firings by guard (megarl/guards.py)", ["guard"],
+        self.guards = Counter(PREFIX + "guard_firings", "guard firings by guard (megarl/step/guards.py)", ["guard"],
                               registry=self.registry)
         for guard in GUARDS:
             self.guards.labels(guard)

@@ -233,7 +233,7 @@ def test_score_sits_on_the_last_policy_token_and_the_batch_keeps_the_holes():
     """A response whose mask has holes (the environment's tokens): the sequence score goes on its
     last policy token, not at (number of policy tokens - 1), which may be an observation's."""
     from megarl.data.dataset import PromptRow
-    from megarl.samples import Sample, to_rollout_batch
+    from megarl.step.samples import Sample, to_rollout_batch
     from megarl.trainer import _scores_at_last_token
 
     row = PromptRow(global_index=0, row=0, prompt="p", ground_truth="", data_source="", prompt_ids=[7, 8])

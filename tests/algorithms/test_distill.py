@@ -1,4 +1,4 @@
-"""On-policy distillation's reverse-KL terms (megarl.algorithms.distill, megarl.distill), hand-worked.
+"""On-policy distillation's reverse-KL terms (megarl.algorithms.distill, megarl.step.distill), hand-worked.
 
 Two responses, R = 4, coef 0.1:
     logp          [-1.0, -2.0, -0.5, *]    [-0.2, *, -3.0, 0.0]
@@ -16,7 +16,7 @@ import torch
 
 from megarl import algorithms as A
 from megarl.config.schema import DistillConfig
-from megarl.distill import LossDistillation, RewardDistillation
+from megarl.step.distill import LossDistillation, RewardDistillation
 
 INF, NAN = math.inf, math.nan
 LOGP = torch.tensor([[-1.0, -2.0, -0.5, -INF], [-0.2, NAN, -3.0, 0.0]])

@@ -1,4 +1,4 @@
-"""DAPO dynamic sampling (megarl.dynamic_sampling.generate_filtered) on a fake engine and reward:
+"""DAPO dynamic sampling (megarl.step.dynamic_sampling.generate_filtered) on a fake engine and reward:
 which groups are trained, in which order, on which DP rank, and the error after the last round.
 DP ranks are threads whose `gather` meets at a barrier (the trainer's is an all_gather_object
 over the DP group); the multi-process run is tests/trainer/test_dynamic_sampling_run.py."""
@@ -9,8 +9,8 @@ import threading
 import pytest
 
 from megarl.data.dataset import PromptRow
-from megarl.dynamic_sampling import NotEnoughGroups, generate_filtered, has_spread
-from megarl.samples import Sample
+from megarl.step.dynamic_sampling import NotEnoughGroups, generate_filtered, has_spread
+from megarl.step.samples import Sample
 
 P, N = 4, 3  # prompts per step, samples per prompt
 

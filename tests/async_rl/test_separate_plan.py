@@ -60,7 +60,7 @@ def test_assignment_refuses_rollout_ranks_among_the_trainers():
 
 def test_only_the_first_rank_of_a_rollout_engine_serves():
     """rollout tp2: vLLM's TP ranks run in lockstep, so clients talk to each engine's first rank."""
-    from megarl.placement import Placement
+    from megarl.async_rollout.placement import Placement
 
     two_engines = Placement(world_size=6, train_size=2, rollout_tp=2)  # engines on ranks 2-3 and 4-5
     assert [two_engines.server_of(t) for t in (0, 1)] == [2, 4]

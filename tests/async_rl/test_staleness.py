@@ -11,7 +11,7 @@ from megarl.async_rollout.client import AsyncSchedule
 from megarl.async_rollout.staleness import StalenessStats, is_fresh, split_fresh, staleness
 from megarl.hybrid.dispatch import DispatchGroups
 from megarl.rollout.base import RolloutResult, SamplingParams
-from megarl.samples import Sample
+from megarl.step.samples import Sample
 
 
 def test_staleness_hand_worked():

@@ -1,11 +1,11 @@
-"""Atomic checkpoint directories (megarl.checkpoint_io)."""
+"""Atomic checkpoint directories (megarl.checkpointing.checkpoint_io)."""
 from __future__ import annotations
 
 import threading
 
 import pytest
 
-from megarl.checkpoint_io import (COMPLETE, atomic_dir, checkpoint_step, cleanup_old_checkpoints,
+from megarl.checkpointing.checkpoint_io import (COMPLETE, atomic_dir, checkpoint_step, cleanup_old_checkpoints,
                                   complete_checkpoints, latest_complete_checkpoint, remove_leftovers, step_dir)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megarl.resume_changes import ResumeChangeError, check_resume, record_segment
+from megarl.config.resume_changes import ResumeChangeError, check_resume, record_segment
 
 BASE = {"actor.optim.lr": 1e-6, "model.path": "/m/a", "tracking.mlflow": True, "trainer.total_steps": 10}
 

@@ -12,13 +12,13 @@ import textwrap
 
 import pytest
 
-import megarl.checkpoint_io as cio
-from megarl.checkpoint_io import (RunDirLock, RunDirLocked, abandon_newer, atomic_dir, latest_complete_checkpoint,
+import megarl.checkpointing.checkpoint_io as cio
+from megarl.checkpointing.checkpoint_io import (RunDirLock, RunDirLocked, abandon_newer, atomic_dir, latest_complete_checkpoint,
                                   remove_leftovers, step_dir)
 
 HOLD = textwrap.dedent("""
     import sys, time
-    from megarl.checkpoint_io import RunDirLock
+    from megarl.checkpointing.checkpoint_io import RunDirLock
     RunDirLock(sys.argv[1]).acquire()
     print("locked", flush=True)
     time.sleep(120)

@@ -13,7 +13,7 @@ from conftest import REPO, hub_cache
 from megarl import hub
 from megarl.config import ConfigError, load_config, validate
 from megarl.config.inputs import check_model_layout, check_model_path, model_refs, with_snapshots
-from megarl.resume_changes import ResumeChangeError, check_resume, record_segment
+from megarl.config.resume_changes import ResumeChangeError, check_resume, record_segment
 
 sys.path.insert(0, str(REPO / "tests" / "capacity"))
 from hf_configs import DEEPSEEK_V3, GLM45, LLAMA3_70B, QWEN3_4B, QWEN3_235B, QWEN25_05B  # noqa: E402

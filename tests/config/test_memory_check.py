@@ -12,7 +12,7 @@ import pytest
 
 from conftest import REPO
 from megarl.config import load_config
-from megarl.config.memory import check_colocated_memory, estimate
+from megarl.capacity.memory_check import check_colocated_memory, estimate
 
 sys.path.insert(0, str(REPO / "tests" / "capacity"))
 from hf_configs import QWEN25_05B, QWEN25_7B  # noqa: E402
@@ -95,7 +95,7 @@ def test_launch_refuses_with_one_line_and_exit_2(tmp_path):
     script.write_text(textwrap.dedent(f"""
         import runpy, sys
         sys.path.insert(0, {str(REPO)!r})
-        import megarl.config.memory as memory
+        import megarl.capacity.memory_check as memory
         memory.cuda_total_bytes = lambda: {H200}  # fake: the platform probe of one H200
         sys.argv = ["launch/ppo.py", *sys.argv[1:]]
         runpy.run_path({str(REPO / "launch" / "ppo.py")!r}, run_name="__main__")

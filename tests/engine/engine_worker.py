@@ -23,7 +23,7 @@ from megarl.algorithms import policy_loss, value_loss
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
 from megarl.models.lora import LoraOptions
-from megarl.parallel import dims_from_env
+from megarl.distributed.parallel import dims_from_env
 
 N, R = 8, 5  # sequences, response tokens
 

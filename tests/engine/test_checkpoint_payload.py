@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megarl.checkpoint_io import UnsafeCheckpointError, load_plain
+from megarl.checkpointing.checkpoint_io import UnsafeCheckpointError, load_plain
 
 
 class _Payload:
@@ -37,7 +37,7 @@ def test_a_payload_in_a_plain_file_is_refused_and_does_not_run(tmp_path):
 
 
 def test_trainer_pt_payload_is_refused_on_resume(tmp_path):
-    from megarl import checkpoint
+    from megarl.checkpointing import checkpoint
 
     marker = tmp_path / "marker"
     ckpt = tmp_path / "step_00000002"

@@ -14,7 +14,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
-    from megarl.parallel import dims_from_env
+    from megarl.distributed.parallel import dims_from_env
 
     results = {}
     for layout in args.layouts:
@@ -37,7 +37,7 @@ def main() -> None:
         results[layout] = gathered
         dims.destroy()
     # A ParallelDims built for another world size is refused once torch.distributed is up.
-    from megarl.parallel import ParallelDims
+    from megarl.distributed.parallel import ParallelDims
 
     try:
         ParallelDims(world_size=8, tp=2).initialize()

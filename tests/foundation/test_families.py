@@ -488,7 +488,7 @@ def test_released_configs_build_megatron_configs_at_published_layouts():
     from them at the recipes' layouts (NeMo-RL's DeepSeek-V3 TP1 PP16 EP16 with 3 / 2 end stages,
     verl's TP8 PP12 EP8; Megatron-Bridge's GLM-4.5 TP2 PP8 EP16 ETP1 with uneven ends)."""
     from megarl.models.builder import build_transformer_config
-    from megarl.parallel import ParallelDims
+    from megarl.distributed.parallel import ParallelDims
 
     dsv3 = spec_from_hf_config(DEEPSEEK_V3_RELEASED)
     assert (dsv3.moe_num_groups, dsv3.moe_group_topk, dsv3.moe_routed_scaling_factor) == (8, 4, 2.5)

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from conftest import torchrun
-from megarl.parallel import ParallelDims
+from megarl.distributed.parallel import ParallelDims
 
 
 def test_dp_is_derived():

@@ -19,7 +19,7 @@ from megarl.engine.engine import EngineConfig, MegatronEngine
 from megarl.hybrid import HybridEngine, RolloutLayout, TrainLayout
 from megarl.models.convert import to_hf, weight_mappings
 from megarl.models.weights import save_hf_checkpoint
-from megarl.parallel import dims_from_env
+from megarl.distributed.parallel import dims_from_env
 from megarl.rollout import build_rollout_engine
 from megarl.rollout.base import RolloutRequest, SamplingParams
 

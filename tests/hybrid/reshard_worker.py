@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.hybrid.engine import HybridEngine
-from megarl.placement import Placement, split_world
+from megarl.async_rollout.placement import Placement, split_world
 from megarl.platform import process_groups
 from megarl.hybrid.layout import RolloutLayout, TrainLayout, hybridflow_bytes_per_rank
 from naive_allgather import NaiveAllGather  # benchmarks/naive_allgather.py

@@ -33,7 +33,7 @@ from engine_worker import update  # noqa: E402  (the fixed PPO batch and losses)
 
 from megarl.engine.batch import SequenceBatch  # noqa: E402
 from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig  # noqa: E402
-from megarl.parallel import dims_from_env  # noqa: E402
+from megarl.distributed.parallel import dims_from_env  # noqa: E402
 
 LENGTHS = (7, 12, 3, 9, 16, 5)
 R = 4

@@ -20,7 +20,7 @@ from engine_worker import global_batch, update  # noqa: E402
 
 from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig  # noqa: E402
 from megarl.models.lora import LoraOptions  # noqa: E402
-from megarl.parallel import dims_from_env  # noqa: E402
+from megarl.distributed.parallel import dims_from_env  # noqa: E402
 
 
 def parse(text: str) -> dict:

@@ -26,7 +26,7 @@ from engine_worker import global_batch  # noqa: E402  (the fixed PPO batch)
 
 def norm_grads(model_dir: str, tp: int, sp: bool = False) -> tuple[dict[str, torch.Tensor], bool, bool]:
     from megarl.models import load_model
-    from megarl.parallel import dims_from_env
+    from megarl.distributed.parallel import dims_from_env
 
     dims = dims_from_env(tp=tp, sequence_parallel=sp).initialize()
     model, spec = load_model(model_dir, dims)
@@ -60,7 +60,7 @@ def actor_update(model_dir: str, layout: dict) -> tuple[list[float], dict[str, t
     first step, ratio 1): its grad norm and each exported weight's change."""
     from megarl.algorithms import policy_loss
     from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
-    from megarl.parallel import dims_from_env
+    from megarl.distributed.parallel import dims_from_env
 
     dims = dims_from_env(**layout).initialize()
     # Adam's first step with eps = 1 moves each weight by lr * g / (|g| + 1), smooth in the gradient;

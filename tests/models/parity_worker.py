@@ -80,7 +80,7 @@ def main() -> None:
     from megarl.models.convert import exported_mappings, mtp_tensor_names
     from megarl.models.families import load_spec
     from megarl.models.weights import SafetensorsDir, local_weight_shards
-    from megarl.parallel import dims_from_env
+    from megarl.distributed.parallel import dims_from_env
 
     gen = torch.Generator().manual_seed(0)
     sequences = [torch.randint(0, 301, (n,), generator=gen).tolist() for n in (7, 12, 3, 9, 16)]

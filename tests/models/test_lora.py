@@ -158,7 +158,7 @@ def test_peft_adapter_and_merged_export_give_megarl_logprobs(request, world_of_o
         with lora.disabled(engine.chunks):
             base_ours = _logprobs(engine.module(tokens, positions, None)[..., : engine.spec.vocab_size], tokens)
     assert (ours - base_ours).abs().max() > 1e-2  # the adapters matter
-    engine.save_peft_adapter(tmp_path / "adapter", str(model_dir))  # what megarl.checkpoint --adapter-only calls
+    engine.save_peft_adapter(tmp_path / "adapter", str(model_dir))  # what megarl.checkpointing.checkpoint --adapter-only calls
     base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     # every factor loaded, none left at peft's initialisation (B = 0): as many non-zero numbers as
@@ -173,7 +173,7 @@ def test_peft_adapter_and_merged_export_give_megarl_logprobs(request, world_of_o
     print(f"{case}: {len(params)} adapters ({routed} on routed experts), peft vs megarl log-probs {err:.2e}")
     assert err < 1e-4, err
     # the merged export (export_hf's default under LoRA): the same model
-    engine.save_hf_checkpoint(tmp_path / "merged", model_dir)  # megarl.checkpoint's export: merged under LoRA
+    engine.save_hf_checkpoint(tmp_path / "merged", model_dir)  # megarl.checkpointing.checkpoint's export: merged under LoRA
     with torch.no_grad():
         full = _logprobs(AutoModelForCausalLM.from_pretrained(tmp_path / "merged", torch_dtype=torch.float32)(tokens).logits, tokens)
     assert (full - theirs).abs().max() < 1e-4

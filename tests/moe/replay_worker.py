@@ -28,7 +28,7 @@ def main() -> None:
 
     from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
     from megarl.models.moe_routing import RouterOptions
-    from megarl.parallel import dims_from_env
+    from megarl.distributed.parallel import dims_from_env
 
     requests, results = recorded_results(Path(args.rollout_model))
     out = {}

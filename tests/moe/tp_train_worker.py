@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from engine_worker import update  # noqa: E402  (the fixed PPO batch and loss)
 
 from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig  # noqa: E402
-from megarl.parallel import dims_from_env  # noqa: E402
+from megarl.distributed.parallel import dims_from_env  # noqa: E402
 
 ROUTER = ".mlp.router.weight"
 

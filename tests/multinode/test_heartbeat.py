@@ -1,4 +1,4 @@
-"""A stalled rank is named, with its phase, within trainer.collective_timeout_s (megarl/heartbeat.py)."""
+"""A stalled rank is named, with its phase, within trainer.collective_timeout_s (megarl/runtime/heartbeat.py)."""
 from __future__ import annotations
 
 import datetime
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import spawn
-from megarl.heartbeat import STALL_EXIT_CODE, Heartbeat
+from megarl.runtime.heartbeat import STALL_EXIT_CODE, Heartbeat
 
 TIMEOUT_S = 3.0
 

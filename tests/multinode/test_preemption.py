@@ -19,8 +19,8 @@ from conftest import REPO
 sys.path.insert(0, str(REPO / "tests" / "trainer"))
 from ppo_helpers import launch_ok, read_metrics, small_run_overrides  # noqa: E402
 
-from megarl.checkpoint import latest_checkpoint  # noqa: E402
-from megarl.preemption import PREEMPTED_EXIT_CODE  # noqa: E402
+from megarl.checkpointing.checkpoint import latest_checkpoint  # noqa: E402
+from megarl.runtime.preemption import PREEMPTED_EXIT_CODE  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 

@@ -1,4 +1,4 @@
-"""Rendezvous mistakes end within a bounded time with one line saying which (megarl/rendezvous.py,
+"""Rendezvous mistakes end within a bounded time with one line saying which (megarl/runtime/rendezvous.py,
 run by launch/slurm/ppo.sbatch before torchrun): a port in use, an address nobody answers at or that
 does not resolve, a node count that does not match."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ TIMEOUT_S = 6
 
 
 def preflight(endpoint: str, nnodes: int, node_rank: int, prefix: list[str] = ()) -> subprocess.Popen:
-    cmd = [*prefix, sys.executable, "-m", "megarl.rendezvous", "--endpoint", endpoint, "--nnodes", str(nnodes),
+    cmd = [*prefix, sys.executable, "-m", "megarl.runtime.rendezvous", "--endpoint", endpoint, "--nnodes", str(nnodes),
            "--node-rank", str(node_rank), "--timeout-s", str(TIMEOUT_S)]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -13,8 +13,8 @@ import pytest
 import torch.distributed as dist
 
 from conftest import spawn
-from megarl import checkpoint
-from megarl.preemption import PreemptionWatch
+from megarl.checkpointing import checkpoint
+from megarl.runtime.preemption import PreemptionWatch
 
 pytestmark = pytest.mark.multiprocess
 

@@ -331,7 +331,7 @@ def test_seam6_and_9_megatron_optimizer_step_reports_norm_and_clips(world_of_one
 
 def test_seam7_alltoall_dispatcher_becomes_allgather():
     from megarl.models.builder import build_transformer_config
-    from megarl.parallel import ParallelDims
+    from megarl.distributed.parallel import ParallelDims
 
     assert cpu_compat.cpu_moe_token_dispatcher("alltoall") == "allgather"
     assert cpu_compat.cpu_moe_token_dispatcher("allgather") == "allgather"
@@ -349,7 +349,7 @@ def test_seam8_finalize_model_grads_is_set():
     from megatron.core.transformer import TransformerConfig
 
     from megarl.models.builder import build_transformer_config
-    from megarl.parallel import ParallelDims
+    from megarl.distributed.parallel import ParallelDims
 
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
     assert config.finalize_model_grads_func is None  # Megatron's default: DP grads never reduced

@@ -194,7 +194,7 @@ def test_close_keeps_the_trainers_process_group(fake_vllm, single_rank):
 
 
 def test_builder_passes_the_trainers_dtype(fake_vllm, single_rank):
-    from megarl.parallel import RolloutGroups
+    from megarl.distributed.parallel import RolloutGroups
     from megarl.rollout import build_rollout
 
     setup = build_rollout("vllm", "/m", RolloutGroups.consecutive(1), dtype=torch.bfloat16, max_model_len=64, weight_sync="full")

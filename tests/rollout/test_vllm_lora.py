@@ -67,7 +67,7 @@ def test_each_sync_replaces_the_adapter_under_a_fresh_id():
 
 
 def test_the_adapter_path_applies_only_where_vllm_can_take_the_adapters():
-    from megarl.models.lora_sync import adapter_sync_reason
+    from megarl.rollout.vllm_lora import adapter_sync_reason
 
     assert adapter_sync_reason("vllm", 8, None, is_moe=False) is None  # every linear of a dense model
     assert adapter_sync_reason("vllm", 8, ["q_proj", "o_proj"], is_moe=True) is None  # attention of a MoE model

@@ -18,7 +18,7 @@ from supervised_helpers import VARIANTS, config, train  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 
-from megarl.parallel import dims_from_env  # noqa: E402
+from megarl.distributed.parallel import dims_from_env  # noqa: E402
 
 # set -> layout name -> (model variant of supervised_helpers.VARIANTS, ParallelDims degrees)
 LAYOUTS = {

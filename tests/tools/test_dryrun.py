@@ -243,7 +243,7 @@ def test_invariants_name_the_rank(tiny_moe_671b_models):
 def test_fake_world_builds_megatron_groups_at_256():
     """The platform seam the dry run stands on: rank 200 of a fake world of 256 gets Megatron's groups
     (its gloo groups included) and the coordinates megarl's rank map gives it."""
-    from megarl.parallel import ParallelDims
+    from megarl.distributed.parallel import ParallelDims
     from megarl.platform import fake_world, init_platform
 
     init_platform(force_cpu=True)
@@ -328,7 +328,7 @@ def test_checkpoint_pieces_are_megatrons_own(tiny_moe_671b_models):
     from megarl.config import load_config
     from megarl.engine.checkpointing import _sharded_state_dict
     from megarl.engine.engine import MegatronEngine
-    from megarl.parallel import ParallelDims
+    from megarl.distributed.parallel import ParallelDims
     from megarl.platform import fake_world, init_platform
     from megarl.tools.dryrun_checkpoint import engine_pieces
     from megarl.trainer import engine_config

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import REPO, free_port
 from logger_files import jsonl_rows, tensorboard_scalars, wandb_history
-from megarl.profiling import trace_path
+from megarl.runtime.profiling import trace_path
 from megarl.tracking import read_metrics_file
 from prometheus_helpers import PrometheusServer, dashboard_metric_names, fetch, need, promtool_check_metrics
 

@@ -1,4 +1,4 @@
-"""megarl.profiling: ranges only inside a recorded step, a Chrome trace per rank, NVTX refused on CPU."""
+"""megarl.runtime.profiling: ranges only inside a recorded step, a Chrome trace per rank, NVTX refused on CPU."""
 from __future__ import annotations
 
 import json
@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from megarl import profiling
-from megarl.profiling import StepProfiler, trace_path
+from megarl.runtime import profiling
+from megarl.runtime.profiling import StepProfiler, trace_path
 
 
 def _work():

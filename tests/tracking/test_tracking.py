@@ -114,7 +114,7 @@ def test_sample_ids_file_keeps_the_steps_before_a_resume(tmp_path):
     """tracking.sample_ids: samples.jsonl gets one line per step; a resume at step 3 drops what a
     killed process logged at step 3 or later (and a line the kill cut short), as metrics.jsonl."""
     from megarl.data.dataset import PromptRow
-    from megarl.samples import Sample, id_records, merge_id_records
+    from megarl.step.samples import Sample, id_records, merge_id_records
 
     def sample(row, prompt, index, versions):
         return Sample(PromptRow(prompt, row, "p", "g", "d"), index, [5], [0.0], True, "t", versions=versions)

@@ -33,7 +33,7 @@ def main() -> int:
     from megarl.platform import init_platform
 
     if "RANK" not in os.environ:  # plain `python runs_worker.py`: a world of one
-        from megarl.parallel import _free_port
+        from megarl.distributed.parallel import _free_port
 
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     dist.init_process_group(backend=init_platform().backend)  # this script's world, for every run

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from megarl.config import GuardsConfig
-from megarl.guards import Guards
+from megarl.step.guards import Guards
 
 
 def test_kl_guard_raises_coef_or_skips_update():

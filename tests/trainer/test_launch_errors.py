@@ -103,7 +103,7 @@ def test_missing_vllm_is_a_config_error(capsys, monkeypatch):
 def test_a_run_dir_in_use_is_refused_naming_the_holder(tmp_path):
     import os
 
-    from megarl.checkpoint_io import RunDirLock
+    from megarl.checkpointing.checkpoint_io import RunDirLock
 
     with RunDirLock(tmp_path / "run"):
         proc = run_launch(["--config", "configs/tiny_cpu.yaml", f"trainer.run_dir={tmp_path / 'run'}",

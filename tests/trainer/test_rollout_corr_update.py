@@ -1,5 +1,5 @@
 """MIS's rejection through the real update (Megatron engine, one rank): training on the batch whose
-rejected sequence left the actor's response mask (megarl.step_record.StepRecord.actor_batch) gives the
+rejected sequence left the actor's response mask (megarl.step.step_record.StepRecord.actor_batch) gives the
 gradient and loss of training on the batch without that sequence, so a rejected sample leaves the
 loss's denominator as well as its numerator (verl's rejection semantics)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from conftest import make_model
 from megarl.algorithms import compute_rollout_correction, policy_loss
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
-from megarl.step_record import Correction, LossInputs, ModelOutputs, Scores, StepRecord, Totals, fields_of
+from megarl.step.step_record import Correction, LossInputs, ModelOutputs, Scores, StepRecord, Totals, fields_of
 
 pytestmark = [pytest.mark.slow]  # two Megatron engines with optimizers: 31 s measured on the loaded 2-core box
 

@@ -1,5 +1,5 @@
-"""algorithm.rollout_correction in the trainer (megarl/rollout_corr.py) on a one-rank layout: the
-mode's weights reach the actor's training batch (megarl.step_record.StepRecord.actor_batch), MIS's rejected samples leave the actor's response mask
+"""algorithm.rollout_correction in the trainer (megarl/step/rollout_corr.py) on a one-rank layout: the
+mode's weights reach the actor's training batch (megarl.step.step_record.StepRecord.actor_batch), MIS's rejected samples leave the actor's response mask
 (so the loss's totals count only what it trains on), the metrics carry verl's names, and a mode
 that needs untruncated engine log-probs refuses processed ones."""
 from __future__ import annotations
@@ -10,11 +10,11 @@ import types
 import pytest
 import torch
 
-from megarl import rollout_corr
+from megarl.step import rollout_corr
 from megarl.config import load_config
 from megarl.engine.batch import SequenceBatch
-from megarl.global_batch import GlobalBatch
-from megarl.step_record import Correction, Scores, StepRecord, fields_of
+from megarl.step.global_batch import GlobalBatch
+from megarl.step.step_record import Correction, Scores, StepRecord, fields_of
 
 
 def _rc(*overrides):

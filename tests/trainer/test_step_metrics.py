@@ -1,4 +1,4 @@
-"""The step's batch statistics in one reduction (megarl.global_batch.LocalStats / GlobalBatch.reduce):
+"""The step's batch statistics in one reduction (megarl.step.global_batch.LocalStats / GlobalBatch.reduce):
 hand-worked values, the same numbers as the one-collective-per-statistic methods, and over two
 gloo ranks the same numbers as one rank holding the whole batch."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import spawn
-from megarl.global_batch import GlobalBatch, LocalStats
+from megarl.step.global_batch import GlobalBatch, LocalStats
 
 SCORES = torch.tensor([1.0, 0.0, 0.5, 0.25])
 VALUES = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0], [-1.0, -2.0, -3.0]])

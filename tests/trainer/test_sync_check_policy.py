@@ -10,12 +10,12 @@ import torch
 
 from megarl.config import load_config
 from megarl.hybrid.verify import WeightSyncMismatch
-from megarl.samples import RolloutBatch
+from megarl.step.samples import RolloutBatch
 
 
 def bare_trainer(*overrides: str):
     """Trainer's check methods on a one-rank layout (dp 1: the DP reduction is local), no models."""
-    from megarl.global_batch import GlobalBatch
+    from megarl.step.global_batch import GlobalBatch
     from megarl.trainer import Trainer
 
     trainer = Trainer.__new__(Trainer)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.config import load_config
-from megarl.placement import Placement, split_world
+from megarl.async_rollout.placement import Placement, split_world
 from megarl.rollout.base import RolloutRequest, SamplingParams
 from sync_worker import PROMPTS, vllm_shard_bytes  # this directory: the colocated sync worker's prompts and bound
 
@@ -66,7 +66,7 @@ def _training_rank(cfg, groups, rank: int, args) -> None:
     from megarl.engine.engine import EngineConfig, MegatronEngine
     from megarl.hybrid import HybridEngine
     from megarl.models.weights import save_hf_checkpoint
-    from megarl.parallel import ParallelDims
+    from megarl.distributed.parallel import ParallelDims
 
     dims = ParallelDims(world_size=TRAIN_SIZE, tp=2).initialize()
     actor = MegatronEngine(args.model, dims, EngineConfig(), trainable=False)

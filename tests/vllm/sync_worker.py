@@ -25,7 +25,7 @@ import torch.distributed as dist
 from megarl.engine.engine import EngineConfig, MegatronEngine
 from megarl.hybrid import HybridEngine, TrainLayout
 from megarl.models.weights import save_hf_checkpoint
-from megarl.parallel import RolloutGroups, dims_from_env
+from megarl.distributed.parallel import RolloutGroups, dims_from_env
 from megarl.rollout import build_rollout
 from megarl.rollout.base import RolloutRequest, SamplingParams
 

@@ -41,7 +41,7 @@ def aux_loss_metric(chunks: Sequence[torch.nn.Module], dims) -> float | None:
     data-parallel groups. Reads and clears Megatron's aux-loss tracker."""
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
-    from megarl.parallel import all_reduce_host
+    from megarl.distributed.parallel import all_reduce_host
 
     meters = [m for m in (attached(c, _METER) for c in chunks) if m is not None]
     if not meters:

@@ -1,5 +1,5 @@
 """algorithm.rollout_correction in the trainer: the weights and loss mask of the configured mode
-(megarl.algorithms.rollout_correction) for the step's record (megarl.step_record.Correction), and the
+(megarl.algorithms.rollout_correction) for the step's record (megarl.step.step_record.Correction), and the
 rollout_corr/ metrics reduced over the global batch.
 
 The behaviour log-probs are the engine's of softmax(logits / T) over the allowed vocabulary without
@@ -13,8 +13,8 @@ import torch
 
 from megarl.algorithms import compute_rollout_correction
 from megarl.algorithms.rollout_correction import finish_metrics, metric_partials
-from megarl.global_batch import GlobalBatch, LocalStats
-from megarl.step_record import Correction
+from megarl.step.global_batch import GlobalBatch, LocalStats
+from megarl.step.step_record import Correction
 
 
 def apply(rc, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, logprobs_are_raw: bool,

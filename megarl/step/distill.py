@@ -26,7 +26,7 @@ from megarl.config.schema import DistillConfig
 from megarl.data.tokenizer import TOKENIZER_FILES, load_tokenizer
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.engine import MegatronEngine
-from megarl.global_batch import GlobalBatch, LocalStats
+from megarl.step.global_batch import GlobalBatch, LocalStats
 
 
 class Distillation:

@@ -41,7 +41,7 @@ class Heartbeat:
     def __init__(self, store, rank: int, world_size: int, timeout_s: float, interval_s: float | None = None,
                  on_stall=None, prefix: str = "megarl/heartbeat/", rollout_ranks: tuple[int, ...] = ()):
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, float(timeout_s)
-        # separate placement (megarl.placement): ranks that run the rollout server, another program
+        # separate placement (megarl.async_rollout.placement): ranks that run the rollout server, another program
         # whose phases do not line up with the trainer's; a training rank waiting in 'generate'
         # names one stuck in its own 'generate' (its phase unchanged for the timeout) as stalled
         self.rollout_ranks = tuple(rollout_ranks)
@@ -171,7 +171,7 @@ def _exit_with(message: str) -> None:
 
 def start_for_world(timeout_s: float, rank: int, world_size: int, separate=None) -> Heartbeat | None:
     """The heartbeat of this rank on the default process group's store; None for a single process.
-    separate: the world split of separate placement (megarl.placement.WorldGroups): every rank of
+    separate: the world split of separate placement (megarl.async_rollout.placement.WorldGroups): every rank of
     the whole world, rollout ranks included, beats in the world's store."""
     import torch.distributed as dist
 

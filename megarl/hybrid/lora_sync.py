@@ -11,7 +11,8 @@ rounds the update on the bf16 grid.
 Where the engine drops its weights while asleep (vLLM's sleep level 2, on GPU) the base goes again
 at every hand-over; on CPU (no sleep mode) and at sleep level 1 it goes once.
 
-`adapter_sync_reason` decides whether the path applies (build time, from the config alone).
+`megarl.rollout.vllm_lora.adapter_sync_reason` decides whether the path applies (build time, from the
+config alone).
 """
 from __future__ import annotations
 
@@ -19,26 +20,6 @@ import dataclasses
 import time
 
 from megarl.models import lora
-
-
-def adapter_sync_reason(engine: str, rank: int, targets, is_moe: bool) -> str | None:
-    """Why the adapter-only path does not apply, or None when it does."""
-    from megarl.models.lora_targets import ATTENTION_PROJECTIONS
-
-    if rank <= 0:
-        return "actor.lora is off"
-    if engine != "vllm":
-        return f"rollout.engine={engine} has no LoRA support in megarl (merged weights are sent)"
-    from megarl.rollout.vllm_lora import VLLM_LORA_RANKS
-
-    if rank > VLLM_LORA_RANKS[-1]:
-        return f"actor.lora.rank {rank} is above vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}"
-    attention = {name for names in ATTENTION_PROJECTIONS.values() for name in names}
-    if is_moe and (targets is None or any(t not in attention for t in targets)):
-        # lora.moe_mlp_adapters: the PEFT export writes them in transformers 5's fused-expert layout
-        # (megarl.models.lora_peft, peft parameter targets), which vLLM's LoRA loader is not known to take
-        return "MLP adapters of a MoE model are not synced to vLLM as a LoRA (target attention only for adapter-only sync)"
-    return None
 
 
 class AdapterSync:

@@ -1,6 +1,6 @@
 """Rendezvous preflight: the mistakes torchrun turns into long hangs, found in bounded time, said in one line.
 
-    python -m megarl.rendezvous --endpoint HOST:PORT --nnodes N --node-rank I [--timeout-s 120]
+    python -m megarl.runtime.rendezvous --endpoint HOST:PORT --nnodes N --node-rank I [--timeout-s 120]
 
 Run on every node just before `torchrun --rdzv-backend c10d --rdzv-endpoint HOST:PORT` (the Slurm
 template does). torchrun itself, given a port that another program holds, connects to that program

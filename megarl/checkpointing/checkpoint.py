@@ -4,7 +4,7 @@ A checkpoint is `<run_dir>/checkpoints/step_XXXXXXXX/` holding `actor/` and `cri
 distributed checkpoints: weights + optimizer, reshardable to any layout; under `<role>.lora` the
 adapters + their optimizer state and `base_ref.json`, the base's path and hash) and `trainer.pt`
 (`Trainer.state_dict()`: step, KL controller, data position, guard state). It is written into a temporary directory
-and renamed into place with a COMPLETE marker (`megarl.checkpoint_io.atomic_dir`), so a run killed
+and renamed into place with a COMPLETE marker (`megarl.checkpointing.checkpoint_io.atomic_dir`), so a run killed
 while saving resumes from the previous complete checkpoint.
 """
 from __future__ import annotations
@@ -18,11 +18,11 @@ import torch.distributed as dist
 import yaml
 
 from megarl import hub
-from megarl.checkpoint_io import atomic_dir, cleanup_old_checkpoints, latest_complete_checkpoint, load_plain, step_dir
+from megarl.checkpointing.checkpoint_io import atomic_dir, cleanup_old_checkpoints, latest_complete_checkpoint, load_plain, step_dir
 from megarl.engine.engine import EngineConfig, MegatronEngine
 from megarl.models import base_ref
 from megarl.models.lora import LoraOptions
-from megarl.parallel import dims_from_env
+from megarl.distributed.parallel import dims_from_env
 
 
 def checkpoints_root(run_dir: str | Path) -> Path:
@@ -68,7 +68,7 @@ def restore(trainer, path: str | Path, weights_only: bool = False) -> int:
     return state["step"]
 
 
-# --- python -m megarl.checkpoint export --ckpt DIR --out DIR (alias: megarl.tools.export_hf) --------------
+# --- python -m megarl.checkpointing.checkpoint --ckpt DIR --out DIR (alias: megarl.tools.export_hf) ---
 
 
 def export_hf_main(argv=None) -> int:

@@ -62,7 +62,7 @@ class PreemptionWatch:
         Every rank gets the same answer, so all stop after the same step."""
         flag = torch.tensor([self.received or 0], dtype=torch.int64)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-            from megarl.parallel import all_reduce_host
+            from megarl.distributed.parallel import all_reduce_host
 
             flag = all_reduce_host(flag, group, op=dist.ReduceOp.MAX)
         signum = int(flag.item())

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from megarl.global_batch import LocalStats
+from megarl.step.global_batch import LocalStats
 
 
 def local_stats(*, scores: torch.Tensor, token_rewards: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,

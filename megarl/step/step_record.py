@@ -49,7 +49,7 @@ class Scores:
 
 @dataclass(frozen=True)
 class Correction:
-    """algorithm.rollout_correction of the step (megarl.rollout_corr.apply).
+    """algorithm.rollout_correction of the step (megarl.step.rollout_corr.apply).
 
     weights: [n, R] truncated importance weights for the actor's loss; None when the mode has none.
     loss_mask: [n, R] the response mask without rejected tokens / sequences: the actor trains on it

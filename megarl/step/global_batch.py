@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.algorithms import masked_var
-from megarl.parallel import ParallelDims, all_gather_host, all_reduce_host
+from megarl.distributed.parallel import ParallelDims, all_gather_host, all_reduce_host
 
 
 class LocalStats:

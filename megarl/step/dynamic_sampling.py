@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from megarl.data.dataset import PromptRow
-from megarl.samples import Sample
+from megarl.step.samples import Sample
 
 
 class NotEnoughGroups(RuntimeError):

@@ -1,0 +1,59 @@
+"""rollout.placement's config rules: the values of rollout.placement / num_ranks and async.* that cannot
+work (`check_placement`, run by the config check), and the ranks that train (`training_world`). The
+world split itself is megarl.async_rollout.placement's."""
+from __future__ import annotations
+
+from megarl.config.schema import Config, ConfigError
+
+
+def check_placement(cfg: Config) -> None:
+    """Values of rollout.placement / num_ranks and async.* that cannot work (world size aside)."""
+    r, a = cfg.rollout, cfg.async_
+    if r.placement == "colocated":
+        if r.num_ranks:
+            raise ConfigError(f"rollout.num_ranks = {r.num_ranks} applies to rollout.placement=separate only; set "
+                              f"rollout.placement=separate or rollout.num_ranks=0")
+        if a.max_staleness or a.partial_rollout:
+            raise ConfigError("async.max_staleness > 0 and async.partial_rollout need rollout ranks that keep generating while "
+                              "the others train: set rollout.placement=separate and rollout.num_ranks (or async.max_staleness=0)")
+        return
+    if r.num_ranks < 1:
+        raise ConfigError("rollout.placement=separate needs rollout.num_ranks >= 1 (the last ranks of the world generate)")
+    if r.engine not in ("hf", "vllm"):
+        raise ConfigError(f"rollout.placement=separate runs rollout.engine=hf or vllm so far, got {r.engine}: use one of "
+                          f"those or rollout.placement=colocated")
+    if r.engine == "vllm" and a.partial_rollout and r.tp > 1:
+        # vLLM aborts and resubmits the running requests at an update (megarl.rollout.vllm_partial) on the
+        # leading rank; its TP followers replay whole generate calls and would leave vLLM's lockstep
+        raise ConfigError(f"async.partial_rollout with rollout.engine=vllm runs rollout.tp=1 engines, got rollout.tp = {r.tp}: "
+                          f"set rollout.tp=1 (rollout.num_ranks engines of one rank) or async.partial_rollout=false")
+    if r.num_ranks % r.tp:
+        raise ConfigError(f"rollout.num_ranks = {r.num_ranks} is not divisible by rollout.tp = {r.tp}")
+    if cfg.actor.routing_replay:
+        # the rollout server returns tokens and log-probs only: without its routes the actor would route
+        # afresh, silently not replaying
+        raise ConfigError("actor.routing_replay needs the rollout's expert routes, which rollout.placement=separate does not "
+                          "return yet: set actor.routing_replay=false or rollout.placement=colocated")
+    alg = cfg.algorithm
+    if alg.adv_estimator == "remax":
+        raise ConfigError("rollout.placement=separate does not run adv_estimator=remax yet (its greedy baseline is a second "
+                          "generation per step): use rollout.placement=colocated")
+    if alg.filter_groups.enable and a.max_staleness:
+        # dynamic sampling's rounds are generated on demand with the current weights; requests drawn
+        # ahead would interleave with them in the data order (a resume would then train prompts twice)
+        raise ConfigError("algorithm.filter_groups.enable generates its rounds with the current weights, not "
+                          f"async.max_staleness = {a.max_staleness} steps ahead: set async.max_staleness=0 or "
+                          "algorithm.filter_groups.enable=false")
+    if a.partial_rollout and not a.max_staleness:
+        raise ConfigError("async.partial_rollout continues requests under newer weights, which async.max_staleness=0 never "
+                          "sends mid-generation: set async.max_staleness >= 1 or async.partial_rollout=false")
+
+
+def training_world(cfg: Config, world_size: int) -> int:
+    """The ranks that train: the whole world colocated, the world less rollout.num_ranks separate."""
+    if cfg.rollout.placement != "separate":
+        return world_size
+    if cfg.rollout.num_ranks >= world_size:
+        raise ConfigError(f"rollout.num_ranks = {cfg.rollout.num_ranks} leaves no training rank in a world of {world_size}: "
+                          f"launch more processes (torchrun --nproc_per_node) or lower rollout.num_ranks")
+    return world_size - cfg.rollout.num_ranks
