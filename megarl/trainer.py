@@ -21,8 +21,10 @@ same numbers.
 What a step computes travels in typed, immutable records (megarl.step.step_record: Scores, Correction,
 StepRecord; the losses read LossInputs / ModelOutputs / Totals), built once by the phase that computes them.
 
-It is long because the Trainer builds the engines and the rollout side as well as running the loop
-and the step's phases with their helpers (generation, scoring, updates, the weight-sync check).
+The rollout side (colocated, separate, dynamic sampling around either) is chosen once, when the
+trainer is built (megarl.rollout_side), so `ppo_step` reads as the phases of a step whatever the
+variant. It is long because the Trainer builds the engines as well as running the loop and the
+phases' helpers (scoring, updates, the weight-sync check).
 """
 from __future__ import annotations
 
@@ -40,17 +42,15 @@ from megarl import algorithms as A
 from megarl.checkpointing import checkpoint
 from megarl.runtime import heartbeat, profiling
 from megarl.step import rollout_corr
-from megarl.async_rollout.client import AsyncSchedule
-from megarl.async_rollout.trainer_side import remote_setup, take_step
+from megarl.async_rollout.trainer_side import remote_setup
 from megarl.config import Config
 from megarl.data.dataset import PromptDataset, PromptRow
 from megarl.data.tokenizer import load_tokenizer
 from megarl.step.distill import build_distillation
-from megarl.step.dynamic_sampling import FilteredRollout, generate_filtered
 from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
 from megarl.step.global_batch import GlobalBatch, LocalStats
 from megarl.step.guards import Guards
-from megarl.hybrid.dispatch import DispatchGroups, generate_for_training
+from megarl.hybrid.dispatch import DispatchGroups
 from megarl.hybrid.engine import HybridEngine, release_cached_device_memory
 from megarl.hybrid.verify import WeightSyncMismatch, mismatch_message, sync_limits, sync_problem, sync_stats, token_prob_diff
 from megarl.models.lora import LoraOptions
@@ -65,8 +65,9 @@ from megarl.rewards.decode import check_token_ids, response_text
 from megarl.rewards.model import RewardModel
 from megarl.rewards.overlong import overlong_penalty
 from megarl.rollout import build_rollout
-from megarl.rollout.base import RolloutRequest, SamplingParams
-from megarl.rollout.multi_turn import env_rows, episode_metrics, with_environment
+from megarl.rollout.base import SamplingParams
+from megarl.rollout.multi_turn import episode_metrics, with_environment
+from megarl.rollout_side import StepSamples, WeightHandOver, build_rollout_side
 from megarl.step.samples import RolloutBatch, Sample, id_records, merge_id_records, to_rollout_batch
 from megarl.step.step_metrics import local_stats, step_metrics
 from megarl.step.step_record import LossInputs, ModelOutputs, Scores, StepRecord, Totals, fields_of
@@ -195,27 +196,18 @@ class Trainer:
                                   dtype=self.actor.params_dtype, memory_fraction=r.gpu_memory_utilization,
                                   max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens, train_tp=dims.tp,
                                   log=log if dims.rank == 0 else None, lora_rank=cfg.actor.lora.rank,
-                                  lora_targets=cfg.actor.lora.target_modules)
+                                  lora_targets=cfg.actor.lora.target_modules, record_routes=cfg.actor.routing_replay)
         else:  # the engine runs on the rollout ranks: this rank's handle on its server
             setup = remote_setup(cfg, separate, dims.rank)
-        # rollout.multi_turn.environment: the engine runs one environment episode per sample
-        self.rollout = with_environment(setup.engine, r, self.tokenizer, log=log if dims.rank == 0 else None)
-        self.multi_turn = r.multi_turn.environment is not None  # self.rollout is then an EpisodeEngine
-        self._setup_moe_routing(cfg)
-        self.weight_path = setup.weight_path  # "adapter", "direct" or "full" (megarl.rollout.RolloutSetup)
+        self._say_moe_aux_loss(cfg)
         # actor.lora into vLLM: the base once, then only the adapters (megarl.hybrid.lora_sync)
-        self.adapter_sync = AdapterSync(self.actor, self.actor.lora, cfg.model.path) if self.weight_path == "adapter" else None
-        self.hybrid = HybridEngine(self._actor_shards(), train=dims.layout,
-                                   rollout=setup.weight_layout, bucket_bytes=r.bucket_bytes, convert=setup.convert, separate=separate,
-                                   mode=r.weight_sync.mode, full_every=r.weight_sync.full_every)
-        groups = setup.groups
+        adapter_sync = AdapterSync(self.actor, self.actor.lora, cfg.model.path) if setup.weight_path == "adapter" else None
+        hybrid = HybridEngine(self._actor_shards(), train=dims.layout, rollout=setup.weight_layout, bucket_bytes=r.bucket_bytes,
+                              convert=setup.convert, separate=separate, mode=r.weight_sync.mode, full_every=r.weight_sync.full_every)
         # the ranks holding one DP batch split its prompts (CP ranks too: each generates its share, not all)
-        batch_group = dims.batch_group
-        self.dispatch = DispatchGroups(mp_group=batch_group, mp_rank=dist.get_rank(batch_group), mp_size=dist.get_world_size(batch_group),
-                                       rollout_group=groups.group, rollout_rank=groups.rank, rollout_size=groups.size)
-        # separate placement: requests up to async.max_staleness steps ahead (megarl.async_rollout)
-        self.schedule = (AsyncSchedule(self.rollout, self.dispatch, cfg.async_.max_staleness, t.total_steps)
-                         if separate is not None else None)
+        batch_group, groups = dims.batch_group, setup.groups
+        dispatch = DispatchGroups(mp_group=batch_group, mp_rank=dist.get_rank(batch_group), mp_size=dist.get_world_size(batch_group),
+                                  rollout_group=groups.group, rollout_rank=groups.rank, rollout_size=groups.size)
         stop = stop_token_ids(r, self.tokenizer.eos_token_id)
         for key, ids in (("rollout.stop_token_ids", stop), ("rollout.banned_token_ids", r.banned_token_ids)):
             check_token_ids(key, ids, self.actor.spec.vocab_size)
@@ -223,6 +215,13 @@ class Trainer:
         self.sampling = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p,
                                        top_k=max(r.top_k, 0), max_new_tokens=r.max_new_tokens, stop_token_ids=stop, seed=t.seed,
                                        banned_token_ids=tuple(r.banned_token_ids))
+        # the side of the step that generates, chosen here (megarl.rollout_side): colocated or
+        # separate, inside dynamic sampling; under rollout.multi_turn its engine runs an episode per sample
+        self.rollout = build_rollout_side(
+            cfg, setup=setup, engine=with_environment(setup.engine, r, self.tokenizer, log=log if dims.rank == 0 else None),
+            hand_over=WeightHandOver(hybrid, adapter_sync, self._offload_all, self._actor_shards), dispatch=dispatch,
+            data=self.data, sampling=self.sampling, to_samples=self._to_samples, score=self._score,
+            global_batch=self.global_batch, dims=dims, separate=separate)
         # --- end of rollout construction ----------------------------------------------------------
         self.val_data = None
         if t.val_every_steps and cfg.data.val_files:
@@ -236,11 +235,8 @@ class Trainer:
         self._sync_checked = False  # the first weight-sync check of this process is fatal (_verify_sync)
         self.trained_ids: list | None = None  # tracking.sample_ids: the last step's trained samples (id_records)
 
-    def _setup_moe_routing(self, cfg: Config) -> None:
-        """Routing replay: the rollout engine records each token's experts (validation keeps
-        replay to engines that can); the auxiliary loss, when on, is said once."""
-        if cfg.actor.routing_replay:
-            self.rollout.record_routes = True
+    def _say_moe_aux_loss(self, cfg: Config) -> None:
+        """The MoE auxiliary loss, when on, is said once."""
         if cfg.actor.moe_aux_loss_coeff > 0 and self.dims.rank == 0:
             self.log(f"megarl: MoE auxiliary load-balancing loss on in the actor: {cfg.actor.moe_load_balancing_type}, "
                      f"coefficient {cfg.actor.moe_aux_loss_coeff} (metric actor/moe_aux_loss)")
@@ -278,8 +274,7 @@ class Trainer:
                              f"{PREEMPTED_EXIT_CODE}, the same command resumes (trainer.resume=auto)")
                 watch.keep_until_exit = True  # a late signal (torchrun's, to the others) must not cut the exit short
                 raise Preempted(self.step, signame)
-        if self.schedule is not None:  # separate placement: the rollout ranks stop after the loop
-            self.rollout.stop()
+        self.rollout.close()
 
     def resume(self, start: Path) -> None:
         """Load the checkpoint `start` (megarl.run.Run decides which) into the engines and this trainer."""
@@ -293,7 +288,7 @@ class Trainer:
         """The run state beside the engines' weights and optimizers (trainer.pt of a checkpoint)."""
         data = self.data.state_dict()  # separate placement: before the prompts in flight (megarl.async_rollout)
         return {"step": self.step, "kl_ctrl": self.kl_ctrl.state_dict(),
-                "data": self.schedule.data_state(data) if self.schedule is not None else data,
+                "data": self.rollout.data_state(data),
                 "guards": self.guards.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -314,28 +309,23 @@ class Trainer:
         # 1. Sync: the actor's current weights into the rollout engine; training state out of its
         # way; only then the engine's KV cache (so it can use the memory training held).
         with clock("timing_s/sync"):
-            if self.schedule is not None:
-                self.rollout.pushing = self.step - 1  # the policy version these weights are (megarl.async_rollout)
-            sync = self._hand_over()
+            sync = self.rollout.hand_over(self.step)
 
         # 2. Generate samples_per_prompt responses to this rank's prompts (with DAPO's dynamic
         # sampling: rounds of prompts until prompts_per_step groups have a score spread, scored).
         # ReMax's baseline, one greedy response per prompt, comes from the same weights and must be
         # generated before release_memory(): vLLM (sleep level 2) and SGLang drop the weights there.
         with clock("timing_s/gen"):
-            filtered = self._generate_filtered() if alg.filter_groups.enable else None
-            if self.schedule is not None and filtered is None:  # separate placement: samples of this step, generated up to K steps ago
-                samples, async_metrics = take_step(self.schedule, self, self.sampling)
-            else:
-                samples = filtered.samples if filtered else self._generate(self.data.next_step(), self.sampling)
-                async_metrics = {}
-            greedy = self._generate(_first_of_groups(samples, self.sampling.n), self._greedy) if alg.adv_estimator == "remax" else None
+            generated = self.rollout.samples(self.step)
+            samples = generated.samples
+            greedy = (self.rollout.generate(_first_of_groups(samples, self.sampling.n), self._greedy, self.step)
+                      if alg.adv_estimator == "remax" else None)
             self.rollout.release_memory()
         if cfg.tracking.sample_ids:  # every rank's share, for rank 0's samples.jsonl
             self.trained_ids = merge_id_records(all_gather_object(id_records(samples), self.dims.world_size, None))
         rollout_batch = to_rollout_batch(samples, self.sampling.n, self.sampling.max_new_tokens)
         batch, mask = rollout_batch.batch, rollout_batch.batch.response_mask
-        episodes = episode_metrics(samples, self.rollout, self.global_batch.reduce)  # {} without rollout.multi_turn
+        episodes = episode_metrics(samples, self.rollout.engine, self.global_batch.reduce)  # {} without rollout.multi_turn
 
         # 3. Score the samples with the models: old log-probs (+ entropy), reference log-probs, values.
         with clock("timing_s/old_log_prob"):
@@ -344,11 +334,33 @@ class Trainer:
             old = ModelOutputs.of(self.actor.forward_only(batch, entropy=True, temperature=self.sampling.temperature,
                                                           banned_token_ids=self.sampling.banned_token_ids))
         sync_check = (self._verify_sync(rollout_batch, old.logprobs, mask)
-                      if not async_metrics.get("async/staleness_max") else StepResult({}, []))  # stale samples differ
+                      if generated.current_weights else StepResult({}, []))  # stale samples differ
         # algorithm.rollout_correction: importance weights / rejection between the engine's log-probs
         # (behaviour) and the old log-probs (proximal), for the actor's loss (megarl.step.rollout_corr)
         correction = rollout_corr.apply(alg.rollout_correction, old.logprobs, rollout_batch.rollout_logprobs, mask,
                                         rollout_batch.logprobs_are_scaled, self.global_batch)
+        scored = self._score_with_models(batch, old, clock)
+
+        # 4. Rewards: the reward function's score on the last response token, minus the KL penalty
+        # (plus the teacher's per-token term under algorithm.distill.mode=reward).
+        with clock("timing_s/reward"):
+            scores, token_rewards, advantage_scores, reward_kl = self._rewards(generated, scored, mask)
+
+        # 5. Advantages and returns over the global batch.
+        with clock("timing_s/adv"):
+            advantages, returns = self._compute_advantages(rollout_batch, advantage_scores, token_rewards, scored.values, greedy)
+        record = StepRecord(batch=batch, response_mask=mask, scored=scored, scores=scores,
+                            token_rewards=token_rewards, advantages=advantages, returns=returns, correction=correction)
+
+        # 6. Update: critic, then actor; each runs ppo_epochs x ppo_mini_batches optimizer steps.
+        update, before = self._update(record, reward_kl, clock)
+
+        # 7. Control: KL controller, batch statistics (one reduction), guards, metrics.
+        return self._control(record, rollout_batch, generated, update, before, reward_kl, sync, sync_check, correction,
+                             episodes, timing, resident, moved_before)
+
+    def _score_with_models(self, batch, old: ModelOutputs, clock) -> Scores:
+        """Phase 3 after the actor: reference log-probs, values, the teacher's log-probs, as configured."""
         ref_logprobs = values = None
         if self.uses_ref:
             with clock("timing_s/ref"):
@@ -365,32 +377,29 @@ class Trainer:
         if self.distill is not None:
             with clock("timing_s/teacher"):
                 teacher_logprobs = self.distill.score(batch, self.sampling.temperature, self.sampling.banned_token_ids)
-        scored = Scores(old.logprobs, old.entropy, ref_logprobs, values, teacher_logprobs)
+        return Scores(old.logprobs, old.entropy, ref_logprobs, values, teacher_logprobs)
 
-        # 4. Rewards: the reward function's score on the last response token, minus the KL penalty
-        # (plus the teacher's per-token term under algorithm.distill.mode=reward).
-        with clock("timing_s/reward"):
-            scores = torch.tensor(filtered.scores if filtered else self._score(samples), dtype=torch.float32)
-            token_scores = _scores_at_last_token(scores, mask)
-            token_rewards, reward_kl = token_scores, 0.0
-            if alg.use_kl_in_reward:
-                token_rewards, _ = A.apply_kl_penalty(token_scores, scored.old_logprobs, scored.ref_logprobs,
-                                                      mask, self.kl_ctrl.value, alg.kl_penalty)
-            if self.uses_ref:
-                kl = A.kl_penalty(scored.old_logprobs, scored.ref_logprobs, alg.kl_penalty) * mask
-                reward_kl = self.global_batch.mean(A.masked_mean(kl, mask, dim=-1))
-            advantage_scores = scores  # what GRPO / RLOO / ReMax read: plus the distillation term in its reward mode
-            if self.distill is not None:
-                token_rewards, advantage_scores = self.distill.shape_rewards(token_rewards, scores, scored.old_logprobs,
-                                                                             scored.teacher_logprobs, mask)
+    def _rewards(self, generated: StepSamples, scored: Scores, mask: torch.Tensor):
+        """Phase 4: (scores, per-token rewards, what GRPO / RLOO / ReMax read, the KL to the reference)."""
+        alg = self.cfg.algorithm
+        scores = torch.tensor(generated.scores if generated.scores is not None else self._score(generated.samples),
+                              dtype=torch.float32)
+        token_scores = _scores_at_last_token(scores, mask)
+        token_rewards, reward_kl = token_scores, 0.0
+        if alg.use_kl_in_reward:
+            token_rewards, _ = A.apply_kl_penalty(token_scores, scored.old_logprobs, scored.ref_logprobs,
+                                                  mask, self.kl_ctrl.value, alg.kl_penalty)
+        if self.uses_ref:
+            kl = A.kl_penalty(scored.old_logprobs, scored.ref_logprobs, alg.kl_penalty) * mask
+            reward_kl = self.global_batch.mean(A.masked_mean(kl, mask, dim=-1))
+        advantage_scores = scores  # plus the distillation term in its reward mode
+        if self.distill is not None:
+            token_rewards, advantage_scores = self.distill.shape_rewards(token_rewards, scores, scored.old_logprobs,
+                                                                         scored.teacher_logprobs, mask)
+        return scores, token_rewards, advantage_scores, reward_kl
 
-        # 5. Advantages and returns over the global batch.
-        with clock("timing_s/adv"):
-            advantages, returns = self._compute_advantages(rollout_batch, advantage_scores, token_rewards, scored.values, greedy)
-        record = StepRecord(batch=batch, response_mask=mask, scored=scored, scores=scores,
-                            token_rewards=token_rewards, advantages=advantages, returns=returns, correction=correction)
-
-        # 6. Update: critic, then actor; each runs ppo_epochs x ppo_mini_batches optimizer steps.
+    def _update(self, record: StepRecord, reward_kl: float, clock):
+        """Phase 6: the guards' verdict before the update, then critic and actor updates."""
         before = self.guards.before_update(reward_kl)
         update: dict[str, float] = {}
         if before.raise_kl_coef:
@@ -398,11 +407,16 @@ class Trainer:
         if self.critic is not None:
             with clock("timing_s/update_critic"):
                 update.update(self._update_critic(record))
-        if not before.skip_actor_update and (self.critic is None or actor_updates_at(self.step, cfg.trainer.critic_warmup)):
+        if not before.skip_actor_update and (self.critic is None or actor_updates_at(self.step, self.cfg.trainer.critic_warmup)):
             with clock("timing_s/update_actor"):
                 update.update(self._update_actor(record))
+        return update, before
 
-        # 7. Control: KL controller, batch statistics (one reduction), guards, metrics.
+    def _control(self, record: StepRecord, rollout_batch: RolloutBatch, generated: StepSamples, update: dict, before,
+                 reward_kl: float, sync, sync_check: StepResult, correction, episodes: dict, timing: dict, resident: dict,
+                 moved_before: dict) -> StepResult:
+        """Phase 7: KL controller, batch statistics (one reduction), guards, the step's metrics."""
+        cfg, alg, batch, mask, scored = self.cfg, self.cfg.algorithm, record.batch, record.response_mask, record.scored
         if alg.use_kl_in_reward:
             self.kl_ctrl.update(reward_kl, n_steps=cfg.data.prompts_per_step * cfg.rollout.samples_per_prompt)
         batch_stats = self.global_batch.reduce(local_stats(
@@ -426,10 +440,9 @@ class Trainer:
             world_size=self.dims.world_size, explained_var=explained_var, guard_events=events)
         metrics.update(sync_check.metrics)
         metrics.update(correction.metrics)
-        metrics["training/hybrid_sync_direct"] = float(self.weight_path == "direct")  # 1: shards into vLLM's parameters
-        metrics["training/hybrid_sync_adapter"] = float(self.weight_path == "adapter")  # 1: only the LoRA adapters go
-        metrics.update(filtered.metrics if filtered else {})
-        metrics.update(async_metrics)
+        metrics["training/hybrid_sync_direct"] = float(self.rollout.weight_path == "direct")  # 1: shards into vLLM's parameters
+        metrics["training/hybrid_sync_adapter"] = float(self.rollout.weight_path == "adapter")  # 1: only the LoRA adapters go
+        metrics.update(generated.metrics)
         metrics.update(episodes)
         if self.distill is not None:
             metrics.update(self.distill.metrics(scored.old_logprobs, scored.teacher_logprobs, mask))
@@ -437,20 +450,12 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         """Greedy responses to the next prompts_per_step validation prompts, scored: val/score/mean."""
-        self._hand_over()  # the weights after this step's update
-        samples = self._generate(self.val_data.next_step(), self._greedy)
+        self.rollout.hand_over(self.step)  # the weights after this step's update
+        samples = self.rollout.generate(self.val_data.next_step(), self._greedy, self.step)
         self.rollout.release_memory()
         return {"val/score/mean": self.global_batch.mean(torch.tensor(self._score(samples), dtype=torch.float64))}
 
-    # --- generate and score: the training rollout, validation and the ReMax baseline --------------
-    def _generate(self, prompts: list[PromptRow], sampling: SamplingParams) -> list[Sample]:
-        """sampling.n responses to each of this DP rank's prompts, prompt-major. Generation is
-        seeded by (seed, step, prompt, sample), so it does not depend on the layout."""
-        requests = [RolloutRequest(tuple(p.prompt_ids), prompt_index=p.global_index, step=self.step) for p in prompts]
-        if self.multi_turn:  # an EpisodeEngine: Environment.reset reads the prompt's row
-            self.rollout.rows = env_rows(prompts)
-        return self._to_samples(prompts, generate_for_training(self.rollout, requests, sampling, self.dispatch), sampling)
-
+    # --- samples and scores: the training rollout, validation and the ReMax baseline ----------------
     def _to_samples(self, prompts: list[PromptRow], results, sampling: SamplingParams) -> list[Sample]:
         """The engine's results for `prompts` as Sample records (the reward's text decoded)."""
         by_index = {p.global_index: p for p in prompts}
@@ -478,27 +483,12 @@ class Trainer:
                                                buffer.penalty_factor) for score, s in zip(scores, samples)]
         return scores
 
-    def _generate_filtered(self) -> FilteredRollout:
-        """DAPO dynamic sampling (megarl.step.dynamic_sampling): scored samples of prompts_per_step groups
-        with a score spread, this rank's block; collective over the DP group."""
-        return generate_filtered(self.data.next_step, lambda prompts: self._generate(prompts, self.sampling), self._score,
-                                 self.global_batch.gather_objects, prompts_per_step=self.cfg.data.prompts_per_step,
-                                 samples_per_prompt=self.sampling.n,
-                                 max_rounds=self.cfg.algorithm.filter_groups.max_num_gen_batches,
-                                 dp_rank=self.dims.dp_rank, dp_size=self.dims.dp)
-
     @property
     def _greedy(self) -> SamplingParams:
         """One temperature-0 response per prompt (validation, the ReMax baseline)."""
         return replace(self.sampling, n=1, temperature=0.0)
 
     # --- phases ---------------------------------------------------------------------------------
-    def _hand_over(self):
-        """The actor's weights into the rollout engine (adapters only where megarl.hybrid.lora_sync applies)."""
-        if self.adapter_sync is not None:
-            return self.adapter_sync.hand_over(self.hybrid, self.rollout, self._offload_all)
-        return self.hybrid.hand_over(self.rollout, self._offload_all, self._actor_shards())
-
     def _actor_shards(self):
         """The actor's weights for the rollout engine. With tied embeddings under pp > 1 the last
         stage holds a copy of the embedding as its output layer: the engine needs it once."""
@@ -683,7 +673,7 @@ class Trainer:
         memory/weight_sync_copy_bytes: what rollout.weight_sync.mode=delta keeps between syncs (0 under
         full). All the maximum over ranks, in one collective per step."""
         names = {f"memory/resident_gb/{p.removeprefix('timing_s/')}": resident[p] / 2**30 for p in resident}
-        names["memory/weight_sync_copy_bytes"] = float(self.hybrid.delta_copy_bytes())
+        names["memory/weight_sync_copy_bytes"] = float(self.rollout.delta_copy_bytes())
         for role, engine in (("actor", self.actor), ("critic", self.critic)):
             if engine is not None:
                 sizes = engine.state_bytes()

@@ -44,6 +44,14 @@ class RemoteRollout:
 
     remote_episodes = True  # with_environment: episodes run on the rollout rank, not around this handle
 
+    def begin_push(self, version: int) -> None:
+        """The policy version the next load_weights pushes (the step before the one it serves)."""
+        self.pushing = version
+
+    def use_rows(self, rows: dict[int, dict]) -> None:
+        """The rows of the next generate's prompts (multi-turn: the rollout rank's episodes read them)."""
+        self.rows = rows
+
     # --- the RolloutEngine calls HybridEngine.hand_over makes -------------------------------------
     def load_weights(self, stream) -> None:
         if self.rank == 0:

@@ -1,5 +1,6 @@
-"""What `megarl.trainer.Trainer` calls under rollout.placement=separate: the rollout setup that
-stands for a local engine, and one step's samples with the `async/` metrics."""
+"""What the training ranks call under rollout.placement=separate: the rollout setup that stands
+for a local engine (megarl.trainer), and one step's samples with the `async/` metrics
+(megarl.rollout_side.remote)."""
 from __future__ import annotations
 
 import torch
@@ -23,13 +24,12 @@ def remote_setup(cfg, separate, rank: int) -> RolloutSetup:
                         weight_path_reason=f"the last {cfg.rollout.num_ranks} ranks generate (rollout.placement=separate); {reason}")
 
 
-def take_step(schedule: AsyncSchedule, trainer, sampling) -> tuple[list, dict[str, float]]:
-    """This DP rank's samples of trainer.step (requests for the next K steps submitted first) and
-    the step's `async/` metrics over the global batch (one reduction)."""
-    step = trainer.step
-    schedule.prefetch(step, trainer.data.next_step, sampling, data_state=trainer.data.state_dict)
+def take_step(schedule: AsyncSchedule, step: int, data, sampling, to_samples, global_batch) -> tuple[list, dict[str, float]]:
+    """This DP rank's samples of `step` (requests for the next K steps submitted first, prompts
+    drawn from `data`) and the step's `async/` metrics over the global batch (one reduction)."""
+    schedule.prefetch(step, data.next_step, sampling, data_state=data.state_dict)
     wait_before = schedule.remote.wait_s
-    samples, stats = schedule.take(step, sampling, trainer._to_samples)
+    samples, stats = schedule.take(step, sampling, to_samples)
     local = LocalStats()
     local.sum("staleness_sum", torch.tensor(float(stats.staleness_sum)))
     local.sum("samples", torch.tensor(float(stats.samples)))
@@ -44,7 +44,7 @@ def take_step(schedule: AsyncSchedule, trainer, sampling) -> tuple[list, dict[st
     local.max("shard_bytes", torch.tensor(float(info.get("shard_bytes", 0))))
     local.max("busy_s", torch.tensor(float(info.get("busy_s", 0.0))))
     local.max("rollout_busy", torch.tensor(info.get("busy_s", 0.0) / max(info.get("wall_s", 0.0), 1e-9)))
-    out = trainer.global_batch.reduce(local)
+    out = global_batch.reduce(local)
     samples_total = max(out["samples"], 1.0)
     return samples, {
         "async/staleness_mean": out["staleness_sum"] / samples_total,

@@ -113,7 +113,7 @@ def planned_weight_path(name: str, spec, tp: int, *, weight_sync: str = "auto", 
 def build_rollout(name: str, hf_dir: str, groups, *, seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
                   memory_fraction: float | None = None, max_model_len: int | None = None, train_tp: int = 1,
                   weight_sync: str = "auto", log: Callable[[str], None] | None = print, lora_rank: int = 0,
-                  lora_targets=None) -> RolloutSetup:
+                  lora_targets=None, record_routes: bool = False) -> RolloutSetup:
     """The engine for rollout groups `groups` (ParallelDims.rollout_groups(tp)) and its weight layout.
 
     memory_fraction: the accelerator memory the engine may take (vLLM gpu_memory_utilization,
@@ -122,7 +122,8 @@ def build_rollout(name: str, hf_dir: str, groups, *, seed: int = 0, device: str 
     parallelism (its padded vocabulary). weight_sync: "auto" takes the direct path wherever it
     applies, "full" always sends full HF tensors, "direct" refuses to fall back. Collective over the
     default group (vLLM: the engine and the path decision). log: rank 0 says which path runs.
-    lora_rank, lora_targets: the actor's adapters (actor.lora); where the engine takes them as a
+    record_routes: the engine returns each sample's experts (actor.routing_replay; validation
+    keeps it to the engines that can). lora_rank, lora_targets: the actor's adapters (actor.lora); where the engine takes them as a
     LoRA (vLLM, megarl.hybrid.lora_sync) the path is "adapter": the base weights once as full HF
     tensors, then only the adapters; elsewhere the merged weights go the usual way.
     """
@@ -152,6 +153,8 @@ def build_rollout(name: str, hf_dir: str, groups, *, seed: int = 0, device: str 
         options["mem_fraction_static"] = memory_fraction
     engine = build_rollout_engine(name, hf_dir, tp=groups.size, seed=seed, device=device, dtype=dtype,
                                   group=groups.group, group_ranks=list(groups.ranks), **options)
+    if record_routes:
+        engine.record_routes = True  # MoE routing replay: each result carries its tokens' experts
     setup = RolloutSetup(engine=engine, weight_layout=RolloutLayout(tp=1), groups=groups,
                          convert=_full_hf_converter(hf_dir, train_tp), weight_path="adapter" if path == "adapter" else "full",
                          weight_path_reason=why)

@@ -111,6 +111,10 @@ class MultiTurnRollout:
         self.executor = ToolExecutor(settings.max_concurrency, settings.timeout_s)
         self.rows: dict[int, dict] = {}  # global prompt index -> dataset row, set before generate
 
+    def use_rows(self, rows: dict[int, dict]) -> None:
+        """The rows of the next generate's prompts: {global prompt index: row} (megarl.rollout.multi_turn.env_rows)."""
+        self.rows = rows
+
     # the wrapped engine's weights, memory and options
     def load_weights(self, weights: Iterable) -> None:
         self.engine.load_weights(weights)

@@ -63,7 +63,7 @@ def test_remax_step_generates_its_greedy_baseline_while_the_engine_is_awake(tmp_
                     kv_heads=1, max_positions=64)
     prepare_if_missing(cfg.data)
     trainer = Trainer(cfg, world_of_one, log=lambda _: None)
-    trainer.rollout = engine = FakeSleepingEngine(trainer.rollout)
+    trainer.rollout.engine = engine = FakeSleepingEngine(trainer.rollout.engine)  # the side drives this engine
     trainer.step = 1
     trainer.ppo_step()
     # sync, then both generations (sampled, greedy) before the engine sleeps; nothing after
