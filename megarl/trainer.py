@@ -51,7 +51,7 @@ from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
 from megarl.step.global_batch import GlobalBatch, LocalStats
 from megarl.step.guards import Guards
 from megarl.hybrid.dispatch import DispatchGroups
-from megarl.hybrid.engine import HybridEngine, release_cached_device_memory
+from megarl.hybrid.engine import HybridEngine, release_cached_device_memory, streamed_shards
 from megarl.hybrid.verify import WeightSyncMismatch, mismatch_message, sync_limits, sync_problem, sync_stats, token_prob_diff
 from megarl.models.lora import LoraOptions
 from megarl.hybrid.lora_sync import AdapterSync
@@ -490,12 +490,8 @@ class Trainer:
 
     # --- phases ---------------------------------------------------------------------------------
     def _actor_shards(self):
-        """The actor's weights for the rollout engine. With tied embeddings under pp > 1 the last
-        stage holds a copy of the embedding as its output layer: the engine needs it once."""
-        shards = self.actor.local_weight_shards()
-        if self.actor.spec.tie_embeddings:
-            shards.pop("output_layer.weight", None)
-        return shards
+        """The actor's weights for the rollout engine (a tied output layer once, as the embedding)."""
+        return streamed_shards(self.actor.local_weight_shards(), self.actor.spec.tie_embeddings)
 
     def _compute_advantages(self, rollout_batch: RolloutBatch, scores: torch.Tensor, token_rewards: torch.Tensor,
                             values: torch.Tensor | None, greedy: list[Sample] | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -277,6 +277,7 @@ def parity_one(family: str, model_dir: Path, dims, gpu: bool, lengths, gen) -> d
 
 def delta_on_device(args, gpu: bool, save) -> dict:
     import delta_sync as bench
+    from overhead import timed
 
     from megarl.hybrid import delta
 
@@ -284,14 +285,8 @@ def delta_on_device(args, gpu: bool, save) -> dict:
     bench.DEVICE = device  # the benchmark's PPO update runs where its model is
     result: dict = {"check": "delta weight sync on the device (issue 42)", "lrs": {}, "complete": False, "ok": False}
 
-    def timed(fn):
-        if gpu:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = fn()
-        if gpu:
-            torch.cuda.synchronize()
-        return out, time.perf_counter() - start
+    def bf16_bytes(model):
+        return {n: p.detach().to(torch.bfloat16).contiguous().view(-1).view(torch.uint8) for n, p in model.named_parameters()}
 
     steps = 3 if args.tiny else 10
     for lr in (1e-6, 1e-5):
@@ -301,25 +296,23 @@ def delta_on_device(args, gpu: bool, save) -> dict:
             model = bench.build_model(kind, 1, args.tiny).to(device)
             opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.01)
             vocab = model.config.vocab_size
-
-            def bf16_bytes(model):
-                return {n: p.detach().to(torch.bfloat16).contiguous().view(-1).view(torch.uint8) for n, p in model.named_parameters()}
-
             last, receiver = bf16_bytes(model), bf16_bytes(model)  # after the first (full) sync both ends hold the same
             for step in range(1, steps + 1):
                 bench.ppo_update(model, opt, step, 4, 48, vocab)
                 new = bf16_bytes(model)
                 for name, seg in new.items():
                     pieces = [delta.Piece(0, seg.numel(), 2)]
-                    enc, t_enc = timed(lambda: delta.encode(seg, last[name], pieces))
-                    _, t_copy = timed(lambda: receiver[name].copy_(seg))  # what full mode does with the bytes
+                    encoded: list = []
+                    t_enc = timed(lambda: encoded.append(delta.encode(seg, last[name], pieces)), gpu)
+                    enc = encoded[0]
+                    t_copy = timed(lambda: receiver[name].copy_(seg), gpu)  # what full mode does with the bytes
                     receiver[name].copy_(last[name])  # back to the receiver's state before this sync
                     if enc.payload is None:  # denser than the break-even: the segment goes whole
                         t_app = t_copy
                         receiver[name].copy_(seg)
                         sent += seg.numel()
                     else:
-                        _, t_app = timed(lambda: delta.apply(receiver[name], enc.encoding, enc.changed, enc.payload, pieces))
+                        t_app = timed(lambda: delta.apply(receiver[name], enc.encoding, enc.changed, enc.payload, pieces), gpu)
                         sent += enc.payload.numel()
                     if not torch.equal(receiver[name], seg):
                         raise AssertionError(f"{kind} lr {lr:g} step {step}: {name} after the delta differs from the full copy")

@@ -42,6 +42,14 @@ class SyncStats:
     copy_bytes: int = 0  # delta sync: what this rank keeps of the last sync (rollout dtype, on the sync device)
 
 
+def streamed_shards(local_shards: LocalShards, tie_embeddings: bool) -> LocalShards:
+    """The actor's shards the rollout engine needs. With tied embeddings under pp > 1 the last
+    stage holds a copy of the embedding as its output layer: the engine needs it once."""
+    if tie_embeddings:
+        local_shards.pop("output_layer.weight", None)
+    return local_shards
+
+
 def shard_metadata(local_shards: LocalShards) -> list[tuple]:
     """This rank's metadata row for `build_specs` (picklable, no tensors)."""
     rows = []

@@ -32,11 +32,9 @@ class AdapterSync:
 
     def base_shards(self):
         """The actor's frozen base weights, unmerged (the engine adds the adapters itself)."""
-        a = self.actor
-        shards = a.base_weight_shards()
-        if a.spec.tie_embeddings:  # as the trainer's _actor_shards: the engine needs the embedding once
-            shards.pop("output_layer.weight", None)
-        return shards
+        from megarl.hybrid.engine import streamed_shards
+
+        return streamed_shards(self.actor.base_weight_shards(), self.actor.spec.tie_embeddings)
 
     def hand_over(self, hybrid, engine, offload):
         from megarl.hybrid.engine import SyncStats, release_cached_device_memory

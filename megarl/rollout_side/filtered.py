@@ -15,7 +15,14 @@ class DynamicSampling:
                  dp_rank: int, dp_size: int):
         self.inner, self.data, self.sampling, self.score, self.global_batch = inner, data, sampling, score, global_batch
         self.prompts_per_step, self.max_rounds, self.dp_rank, self.dp_size = prompts_per_step, max_rounds, dp_rank, dp_size
-        self.engine, self.weight_path = inner.engine, inner.weight_path
+
+    @property
+    def engine(self):
+        return self.inner.engine
+
+    @property
+    def weight_path(self) -> str:
+        return self.inner.weight_path
 
     def samples(self, step: int) -> StepSamples:
         """Scored samples of prompts_per_step groups with a score spread, this rank's block;

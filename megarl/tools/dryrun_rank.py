@@ -138,28 +138,22 @@ def _sync_rows(engine) -> list[tuple]:
     """The actor's weight-sync metadata as the trainer hands it to the HybridEngine
     (Trainer._actor_shards): a tied output layer is the embedding, streamed once. Under LoRA the
     merged and the base shards have the same shapes; the base's are taken (no merge on meta)."""
-    from megarl.hybrid.engine import shard_metadata
+    from megarl.hybrid.engine import shard_metadata, streamed_shards
 
     shards = engine.base_weight_shards() if engine.lora else engine.local_weight_shards()
-    if engine.spec.tie_embeddings:
-        shards.pop("output_layer.weight", None)
-    return shard_metadata(shards)
+    return shard_metadata(streamed_shards(shards, engine.spec.tie_embeddings))
 
 
 def _adapter_elements(engine) -> tuple[int, int]:
     """Elements of the LoRA adapters this rank's actor holds (its A and B shards, what
     megarl.models.lora.full_adapters gathers) and of the same adapters whole (rank x (in + out))."""
-    from megarl.models.lora import LoraAdapter
+    from megarl.models import lora
 
     held = whole = 0
-    for module in engine.modules:
-        for sub in module.modules():
-            adapter = getattr(sub, "lora", None)
-            if not isinstance(adapter, LoraAdapter):
-                continue
-            for name, part in adapter.adapters.items():
-                held += part.lora_A.numel() + part.lora_B.numel()
-                whole += part.lora_A.shape[0] * (adapter.in_size + adapter.out_sizes[adapter.names.index(name)])
+    for _, _, adapter in lora.adapters(engine.chunks):
+        for name, part in adapter.adapters.items():
+            held += part.lora_A.numel() + part.lora_B.numel()
+            whole += part.lora_A.shape[0] * (adapter.in_size + adapter.out_sizes[adapter.names.index(name)])
     return held, whole
 
 
