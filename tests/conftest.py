@@ -50,6 +50,7 @@ def pytest_collection_modifyitems(config, items):
     # A namespace package is not vllm: tests/ is on sys.path, so the directory tests/vllm is found as "vllm".
     spec = importlib.util.find_spec("vllm")
     has_vllm = spec is not None and spec.origin not in (None, "namespace")
+    _run_first(items, os.environ.get("MEGARL_TEST_FIRST", ""))
     for item in items:
         if "tests/vllm/" in Path(str(item.fspath)).as_posix():
             item.add_marker(pytest.mark.vllm)  # the real-vLLM tier is one directory: `-m vllm` selects it
@@ -57,6 +58,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_gpu)
         if "vllm" in item.keywords and not has_vllm:
             item.add_marker(no_vllm)
+
+
+def _run_first(items: list, prefixes: str) -> None:
+    """MEGARL_TEST_FIRST=tests/multinode,...: the tests under these paths first, each group in its
+    collected order. `make test` puts the tests that mostly wait (namespaces' rendezvous, Slurm
+    requeues, heartbeat timeouts) first, while the other environments are built beside them at low
+    priority: the builds take the cores those tests leave idle instead of slowing the CPU-bound ones."""
+    wanted = [p.strip().rstrip("/") + "/" for p in prefixes.split(",") if p.strip()]
+    if not wanted:
+        return
+
+    def rank(item) -> int:
+        path = Path(str(item.fspath)).resolve().relative_to(REPO).as_posix()
+        return next((i for i, prefix in enumerate(wanted) if path.startswith(prefix)), len(wanted))
+
+    items[:] = sorted(items, key=rank)  # stable: the collected order within each group
 
 
 def free_port() -> int:
@@ -210,12 +227,38 @@ def world_of_one():
 _TIER_STARTED: list[float] = []
 _TIER_DURATIONS: dict[str, float] = {}
 _TIER_OUTCOMES: dict[str, str] = {}
+# The machine's busy core-seconds (every process's, from /proc/stat) over the tier and over each test:
+# a test's wall time times the cores minus these is what it left idle, which work beside it could have used.
+_TIER_BUSY: dict[str, float] = {}
+_TIER_BUSY_START: list[float] = []
+
+
+def machine_busy_seconds() -> float | None:
+    """CPU-seconds the whole machine has spent busy since boot (all cores; None off Linux)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def pytest_sessionstart(session):
     import time
 
     _TIER_STARTED.append(time.time())
+    busy = machine_busy_seconds()
+    if busy is not None:
+        _TIER_BUSY_START.append(busy)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    before = machine_busy_seconds()
+    yield
+    after = machine_busy_seconds()
+    if before is not None and after is not None:
+        _TIER_BUSY[item.nodeid] = _TIER_BUSY.get(item.nodeid, 0.0) + after - before
 
 
 def pytest_runtest_logreport(report):
@@ -264,7 +307,12 @@ def pytest_sessionfinish(session, exitstatus):
         "exit_status": int(exitstatus),
         "python": sys.version.split()[0],
         "tests": {k: round(v, 2) for k, v in sorted(_TIER_DURATIONS.items(), key=lambda kv: -kv[1])},
+        "cores": os.cpu_count(),
     }
+    busy_end = machine_busy_seconds()
+    if _TIER_BUSY_START and busy_end is not None:
+        entry["busy_core_s"] = round(busy_end - _TIER_BUSY_START[0], 1)
+        entry["tests_busy_core_s"] = {k: round(_TIER_BUSY.get(k, 0.0), 2) for k in entry["tests"]}
     with open(out.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         data = json.loads(out.read_text()) if out.exists() and out.stat().st_size else {}

@@ -45,6 +45,24 @@ def report(data: dict, ci_start: float | None = None, slowest: int = 5) -> list[
         top = list(entry["tests"].items())[:slowest]
         if top:
             lines.append(f"slowest in {name}: " + "; ".join(f"{t} {s:.0f} s" for t, s in top))
+    lines += idle_report(tiers, slowest)
+    return lines
+
+
+def idle_report(tiers: dict, most: int = 5) -> list[str]:
+    """Per tier, how busy the machine's cores were (every process's CPU time, background work
+    included), and the tests that left the most core-seconds idle: where work beside them would fit."""
+    lines = []
+    for name, entry in tiers.items():
+        if "busy_core_s" not in entry or not entry.get("cores"):
+            continue
+        cores, wall = entry["cores"], entry["wall_s"]
+        lines.append(f"cpu in {name}: {entry['busy_core_s']:.0f} busy core-s of {cores * wall:.0f} "
+                     f"({entry['busy_core_s'] / max(cores * wall, 1e-9):.0%}); {cores * wall - entry['busy_core_s']:.0f} idle")
+        idle = {t: cores * s - entry["tests_busy_core_s"].get(t, 0.0) for t, s in entry["tests"].items()}
+        top = sorted(idle.items(), key=lambda kv: -kv[1])[:most]
+        if top:
+            lines.append(f"most idle in {name}: " + "; ".join(f"{t} {s:.0f} core-s" for t, s in top))
     return lines
 
 

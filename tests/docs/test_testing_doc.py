@@ -30,3 +30,32 @@ def test_the_tier_report_marks_a_tier_over_its_budget():
     assert "3:20" in fast and "3:00" in fast and "OVER BUDGET" in fast
     assert "1:40" in core and "OVER BUDGET" not in core
     assert any(line.startswith("slowest in fast: t::a 150 s; t::b 50 s") for line in lines)
+
+
+def test_the_tier_report_says_how_busy_the_cores_were_and_which_tests_left_them_idle():
+    spec = importlib.util.spec_from_file_location("tier_budgets", REPO / "tests" / "tier_budgets.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # 2 cores for 100 s = 200 core-s, 150 of them busy; t::a ran 60 s with 30 busy core-s (90 idle),
+    # t::b 40 s with 38 (42 idle)
+    entry = dict(wall_s=100.0, collected=2, passed=2, failed=0, skipped=0, tests={"t::a": 60.0, "t::b": 40.0},
+                 cores=2, busy_core_s=150.0, tests_busy_core_s={"t::a": 30.0, "t::b": 38.0})
+    lines = module.report({"tiers": {"full": entry}})
+    assert "cpu in full: 150 busy core-s of 200 (75%); 50 idle" in lines
+    assert "most idle in full: t::a 90 core-s; t::b 42 core-s" in lines
+
+
+def test_make_tests_first_paths_run_first_in_their_collected_order():
+    import conftest
+
+    class Item:
+        def __init__(self, path):
+            self.fspath = REPO / path
+
+    items = [Item(p) for p in ("tests/a/test_1.py", "tests/multinode/test_2.py", "tests/b/test_3.py",
+                               "tests/multinode/test_4.py", "tests/c/test_5.py")]
+    conftest._run_first(items, "tests/multinode, tests/c/")
+    assert [str(i.fspath.relative_to(REPO)) for i in items] == [
+        "tests/multinode/test_2.py", "tests/multinode/test_4.py", "tests/c/test_5.py", "tests/a/test_1.py", "tests/b/test_3.py"]
+    conftest._run_first(items, "")  # unset: the order stays
+    assert str(items[0].fspath.relative_to(REPO)) == "tests/multinode/test_2.py"
