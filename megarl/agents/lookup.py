@@ -3,7 +3,7 @@ only the environment holds, so the policy can only score by calling the lookup t
 
     prompt "472="   policy "?"   environment "815:"   policy "815" eos   (score 1.1)
 
-The table is a keyed hash (`secret_value`), not something the policy sees: a held-out key's value
+The table is a keyed hash (`megarl.data.lookup_table`: `secret_value`, the rows), not something the policy sees: a held-out key's value
 cannot be learned from the training keys (train and held-out keys are disjoint, `is_held_out`).
 A turn starting with "?" is a lookup of the episode's key, answered "<value>:"; any other turn is
 the final answer and ends the episode. `final_answer_score` (reward.kind=function) scores the text
@@ -27,41 +27,9 @@ ANSWER_WITHOUT_EOS from the environment, cancelling the reward function's at mos
 """
 from __future__ import annotations
 
-import hashlib
-import random
-
 from megarl.agents.environment import Environment, Turn
+from megarl.data.lookup_table import secret_value
 from megarl.rewards.arithmetic import arithmetic_score
-
-_SALT = b"megarl-lookup-v1"
-HELD_OUT_EVERY = 5  # one key in five (by hash) is held out for validation
-
-
-def _hash(key: str, what: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8, key=_SALT, person=what).digest(), "little")
-
-
-def secret_value(key: str) -> str:
-    """The table's value of `key`: as many digits as the key."""
-    return str(_hash(key, b"value") % 10 ** len(key)).zfill(len(key))
-
-
-def is_held_out(key: str) -> bool:
-    return _hash(key, b"split") % HELD_OUT_EVERY == 0
-
-
-def lookup_rows(count: int, split: str, num_digits: int = 3) -> list[dict]:
-    """`count` rows of the task; split "train" draws training keys, "test" held-out keys only."""
-    keys = [str(k).zfill(num_digits) for k in range(10 ** num_digits)]
-    keys = [k for k in keys if is_held_out(k) == (split != "train")]
-    rng = random.Random(f"lookup:{num_digits}:{split}")
-    rows = []
-    for i in range(count):
-        key = rng.choice(keys)
-        rows.append({"prompt": f"{key}=", "ground_truth": secret_value(key), "data_source": "lookup",
-                     "extra": {"index": i, "split": split}})
-    return rows
-
 
 # The digits tokenizer's "?" (megarl.tools.make_tiny_model: 4 special tokens, then "0123456789+-*=;:?# ").
 CALL_TOKEN_ID = 20

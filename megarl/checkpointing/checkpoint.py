@@ -18,7 +18,8 @@ import torch.distributed as dist
 import yaml
 
 from megarl import hub
-from megarl.checkpointing.checkpoint_io import atomic_dir, cleanup_old_checkpoints, latest_complete_checkpoint, load_plain, step_dir
+from megarl.checkpointing.checkpoint_io import atomic_dir, cleanup_old_checkpoints, latest_complete_checkpoint, step_dir
+from megarl.platform.safe_load import load_plain
 from megarl.engine.engine import EngineConfig, MegatronEngine
 from megarl.models import base_ref
 from megarl.models.lora import LoraOptions

@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from megarl.data.arithmetic import ArithmeticTask
+from megarl.data.lookup_table import lookup_rows
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_GSM8K_DIR = REPO_ROOT.parent / "shared" / "data" / "gsm8k"
@@ -145,8 +146,6 @@ def prepare_if_missing(data_cfg, user_files=()) -> bool:
         task, sizes = ArithmeticTask(kind=a.kind, num_digits=a.num_digits), {"train": a.train_size, "test": a.val_size}
         rows = {split: arithmetic_rows(task, sizes[split], split) for split in targets}
     elif data_cfg.auto_prepare == "lookup":
-        from megarl.agents.lookup import lookup_rows
-
         a = data_cfg.arithmetic
         sizes = {"train": a.train_size, "test": a.val_size}
         rows = {split: lookup_rows(sizes[split], split, a.num_digits) for split in targets}

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from megarl.checkpointing.checkpoint_io import UnsafeCheckpointError, check_dcp_metadata, load_plain
+from megarl.platform.safe_load import UnsafeCheckpointError, check_dcp_metadata, load_plain
 from megarl.engine import adapter_checkpoint
 from megarl.platform import mcore_version
 

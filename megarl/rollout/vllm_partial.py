@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from megarl.rollout.base import RolloutResult, SampleSpec, SamplingParams
 from megarl.rollout.vllm_lora import AdapterSlot
+from megarl.rollout.vllm_sampling import pop_kept_mass, scaled_logprobs, to_vllm_sampling, truncates
 
 _SEED_MASK = (1 << 63) - 1
 
@@ -50,7 +51,7 @@ class _Sample:
     spec: SampleSpec
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    untruncated: list[float] | None = field(default_factory=list)
+    scaled: list[float] | None = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish: str | None = None
     request_id: str | None = None
@@ -62,13 +63,11 @@ class InterruptibleGeneration:
     """One `generate` call under a `between_tokens` hook; `interrupt` is called by load_weights."""
 
     def __init__(self, engine, specs: list[SampleSpec], sampling: SamplingParams):
-        from megarl.rollout.vllm import truncates
-
         self.engine, self.sampling = engine, sampling
         self.samples = [_Sample(s) for s in specs]
         self.running: dict[str, _Sample] = {}
         self.interrupted: list[_Sample] = []
-        self.record = truncates(sampling) and engine.kept_mass  # untruncated log-probs need the recorder
+        self.record = truncates(sampling) and engine.kept_mass  # scaled log-probs need the recorder
         self.call = engine._generate_calls
         self.segments = 0
 
@@ -113,8 +112,6 @@ class InterruptibleGeneration:
 
     # ------------------------------------------------------------------ helpers
     def _submit(self, samples: list[_Sample]) -> None:
-        from megarl.rollout.vllm import to_vllm_sampling
-
         engine, vllm = self.engine, self.engine._vllm
         delta = importlib.import_module(vllm.__name__ + ".sampling_params").RequestOutputKind.DELTA
         prompts = [vllm.TokensPrompt(prompt_token_ids=list(s.spec.request.prompt_token_ids) + s.tokens) for s in samples]
@@ -146,21 +143,19 @@ class InterruptibleGeneration:
             self._close_segments([sample])
 
     def _close_segments(self, samples: list[_Sample]) -> None:
-        """The untruncated log-probs of each sample's segment that just ended."""
-        from megarl.rollout.vllm import _pop_records, truncates, untruncated_logprobs
-
-        records = _pop_records([s.tag for s in samples])
+        """The scaled log-probs of each sample's segment that just ended."""
+        records = pop_kept_mass([s.tag for s in samples])
         for s in samples:
             processed = s.logprobs[s.segment_start:]
-            if s.untruncated is None:
+            if s.scaled is None:
                 continue
             if s.tag is not None:
-                part = untruncated_logprobs(processed, records.get(s.tag))
+                part = scaled_logprobs(processed, records.get(s.tag))
             else:  # nothing truncates: one distribution; truncated without a recorder: unknown
                 part = None if truncates(self.sampling) else list(processed)
-            s.untruncated = None if part is None else s.untruncated + part
+            s.scaled = None if part is None else s.scaled + part
 
     def _result(self, s: _Sample) -> RolloutResult:
         spec = s.spec
         return RolloutResult(spec.request.prompt_index, spec.sample_index, s.tokens, s.logprobs, s.finish or "abort",
-                             scaled_logprobs=s.untruncated, versions=s.versions)
+                             scaled_logprobs=s.scaled, versions=s.versions)

@@ -22,7 +22,7 @@ from pathlib import Path
 from megarl.checkpointing import checkpoint
 
 from megarl.runtime import heartbeat
-from megarl.checkpointing.checkpoint_io import load_plain
+from megarl.platform.safe_load import load_plain
 from megarl.config import Config
 from megarl.data.tokenizer import load_tokenizer
 from megarl.engine.engine import MegatronEngine

@@ -128,7 +128,8 @@ def run(config: str, world_size: int, overrides: list[str], ranks_text: str = "a
 
     from megarl.platform import fake_world
     from megarl.tools import dryrun_checks
-    from megarl.tools.dryrun_rank import InvariantError, build_rank
+    from megarl.tools.dryrun_errors import InvariantError
+    from megarl.tools.dryrun_rank import build_rank
 
     if dist.is_initialized() and not fake_world.is_fake():
         print("error: the dry run becomes each rank of a fake world in turn and needs a process of its own: run it "

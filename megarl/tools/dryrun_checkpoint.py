@@ -14,8 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-
-from megarl.tools.dryrun_rank import InvariantError
+from megarl.tools.dryrun_errors import InvariantError
 
 # the checkpointed engines' directories (megarl.trainer.Trainer.checkpointed_engines: the reference is frozen, not saved)
 CHECKPOINTED_ROLES = ("actor", "critic")

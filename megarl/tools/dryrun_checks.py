@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from megarl.tools.dryrun_rank import InvariantError, RankBuild
+from megarl.tools.dryrun_errors import InvariantError
+from megarl.tools.dryrun_rank import RankBuild
 
 GIB = 2**30
 PLANNER_TOLERANCE = 0.02  # the planner's per-rank bytes against the built ones (docs/operations.md)

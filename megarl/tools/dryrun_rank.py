@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megarl.layout.parallel import RankCoords
+from megarl.tools.dryrun_errors import InvariantError
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -164,10 +165,6 @@ def _check_groups(dims, coords: RankCoords) -> None:
     want = dict(pp=coords.pp, tp=coords.tp, dp=coords.dp, ep=coords.ep, etp=coords.etp)
     if got != want:
         raise InvariantError(f"rank {dims.rank}: Megatron's process groups place it at {got}, megarl's rank map at {want}")
-
-
-class InvariantError(Exception):
-    """A dry-run invariant does not hold; the message is one line naming the rank."""
 
 
 def _measure(role: str, engine) -> RoleBuild:

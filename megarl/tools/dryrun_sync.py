@@ -14,7 +14,8 @@ from __future__ import annotations
 import re
 
 from megarl.hybrid.plan import Plan, Span
-from megarl.tools.dryrun_rank import InvariantError, RankBuild
+from megarl.tools.dryrun_errors import InvariantError
+from megarl.tools.dryrun_rank import RankBuild
 
 VLLM_VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: its embedding's rows are padded to this multiple
 _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")

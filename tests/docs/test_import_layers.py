@@ -1,5 +1,5 @@
 """Import layers of megarl (issue 40, "the floor plan"): the import graph read from the source, its
-cycles held to an explicit list.
+cycles held to an explicit list, which is empty: no cycle between modules or rooms.
 
 Every module under megarl/ is parsed with `ast` (nothing is imported); every `import megarl.x` and
 `from megarl.x import y` counts, at module level and inside functions alike (a function-local import
@@ -17,7 +17,7 @@ megarl/ (megarl/trainer.py is the room "trainer"); external packages are not roo
   cycle any more removes one.
 
 The test asserts that the cycles found are exactly the listed ones: a new cycle fails it, and a
-broken one fails it until its line is deleted, so the lists only shrink. Issue 40 wants both empty.
+broken one fails it until its line is deleted, so the lists only shrink. Issue 40 wanted both empty, and they are.
 `python tests/docs/test_import_layers.py` (or pytest -s) prints the room layering found: the rooms
 by layer, each importing only rooms of lower layers, the tangles (strongly connected rooms) as one
 entry.
@@ -30,28 +30,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "megarl"
 
-# Left: lora <-> lora_peft (the PEFT layout of MoE adapters and the adapters' export call each other),
-# vllm <-> vllm_partial (partial rollout reuses vllm.py's sampling helpers), dryrun_rank <->
-# dryrun_checkpoint (InvariantError lives in dryrun_rank, which calls dryrun_checkpoint's pieces).
-KNOWN_MODULE_CYCLES = {
-    ("megarl.models.lora", "megarl.models.lora_peft"),
-    ("megarl.rollout.vllm", "megarl.rollout.vllm_partial"),
-    ("megarl.tools.dryrun_checkpoint", "megarl.tools.dryrun_rank"),
-}
+# None left: issue 40's floor plan wants the list empty; a new cycle fails the test.
+KNOWN_MODULE_CYCLES: set[tuple[str, ...]] = set()
 
-# The room edges on a cycle, one "a -> b" a line (within the tangles `describe` prints as {...}). Left:
-# agents/config/data/rewards (config.inputs checks data files with megarl.data's helpers; data.prepare
-# writes the lookup demo's rows with megarl.agents.lookup, which scores with megarl.rewards.arithmetic;
-# rewards read the config and megarl.data's tokenizer) and checkpointing/engine (engine.checkpointing
-# loads through checkpoint_io, the run checkpoint saves the engines).
+# The room edges on a cycle, one "a -> b" a line (within the tangles `describe` prints as {...}). None
+# left: the rooms form layers that import downward only (`python tests/docs/test_import_layers.py`).
 _ROOM_EDGES_ON_CYCLES = """
-agents -> rewards
-checkpointing -> engine
-config -> data
-data -> agents
-engine -> checkpointing
-rewards -> config
-rewards -> data
 """
 KNOWN_ROOM_CYCLES = {tuple(line.split(" -> ")) for line in _ROOM_EDGES_ON_CYCLES.split("\n") if line.strip()}
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megarl.checkpointing.checkpoint_io import UnsafeCheckpointError, load_plain
+from megarl.platform.safe_load import UnsafeCheckpointError, load_plain
 
 
 class _Payload:

@@ -69,7 +69,7 @@ def test_hf_engine_never_emits_banned_tokens(tiny_models):
 
 
 def test_vllm_adapter_bans_through_logit_bias():
-    from megarl.rollout.vllm import to_vllm_sampling
+    from megarl.rollout.vllm_sampling import to_vllm_sampling
 
     vllm = make_fake_vllm()
     banned = to_vllm_sampling(vllm, SamplingParams(max_new_tokens=3, banned_token_ids=(3, 0)), seed=1)

@@ -164,7 +164,7 @@ def test_without_platform_sleep_mode_nothing_is_slept(monkeypatch, single_rank):
     assert mod.calls[0][1]["enable_sleep_mode"] is False and mod.calls[0][1]["dtype"] == "bfloat16"
     assert not engine.sleep_mode
     # no Triton: vLLM's V1 model runner, which runs the kept-mass recorder after temperature
-    assert engine.kept_mass and mod.calls[0][1]["logits_processors"] == ["megarl.rollout.vllm_raw_logprobs:KeptMassRecorder"]
+    assert engine.kept_mass and mod.calls[0][1]["logits_processors"] == ["megarl.rollout.vllm_kept_mass:KeptMassRecorder"]
     del mod.calls[:]
     engine.load_weights([("w", torch.zeros(1))])
     engine.resume_memory()
@@ -206,12 +206,12 @@ def test_builder_passes_the_trainers_dtype(fake_vllm, single_rank):
     assert setup.weight_layout.tp == 1 and setup.weight_path == "full"
 
 
-def test_untruncated_logprobs_add_the_log_kept_mass_per_position():
-    from megarl.rollout.vllm import truncates, untruncated_logprobs
+def test_scaled_logprobs_add_the_log_kept_mass_per_position():
+    from megarl.rollout.vllm_sampling import scaled_logprobs, truncates
 
-    assert untruncated_logprobs([-0.5, -1.0], {0: -0.25, 1: -0.5, 2: -9.0}) == [-0.75, -1.5]
-    assert untruncated_logprobs([-0.5, -1.0], {0: -0.25}) is None  # a position without a record: none at all
-    assert untruncated_logprobs([-0.5], None) is None
+    assert scaled_logprobs([-0.5, -1.0], {0: -0.25, 1: -0.5, 2: -9.0}) == [-0.75, -1.5]
+    assert scaled_logprobs([-0.5, -1.0], {0: -0.25}) is None  # a position without a record: none at all
+    assert scaled_logprobs([-0.5], None) is None
     assert truncates(SamplingParams(top_p=0.9)) and truncates(SamplingParams(top_k=5))
     assert not truncates(SamplingParams()) and not truncates(SamplingParams(temperature=0.0, top_k=5))
 

@@ -18,7 +18,8 @@ import pytest
 
 from megarl.tools import dryrun
 from megarl.tools.dryrun_checks import check_rank, _check_cover
-from megarl.tools.dryrun_rank import InvariantError, RankBuild, RoleBuild
+from megarl.tools.dryrun_errors import InvariantError
+from megarl.tools.dryrun_rank import RankBuild, RoleBuild
 
 REPO = Path(__file__).resolve().parents[2]
 MODELS = REPO / "configs" / "models"

@@ -85,7 +85,7 @@ def test_tool_demo_under_separate_placement_at_k1(tmp_path):
     partial rollout; the rollout rank runs the episodes beside its engine. Step 1 (the initial
     weights, as at K = 0) logs what one colocated process logs; step 2 trains episodes one version
     old, some continued across the weight update, their observation tokens masked."""
-    from megarl.agents.lookup import lookup_rows
+    from megarl.data.lookup_table import lookup_rows
     from megarl.data.prepare import write_parquet
 
     envs = tmp_path / "outside"

@@ -1,4 +1,4 @@
-"""KeptMassRecorder's bookkeeping (megarl/rollout/vllm_raw_logprobs.py) driven the way vLLM's V1
+"""KeptMassRecorder's bookkeeping (megarl/rollout/vllm_kept_mass.py) driven the way vLLM's V1
 persistent batch drives it: requests added, removed, moved and swapped between rows must keep each
 record under its own request and position. No engine: vLLM's real BatchUpdate and top-k/top-p code.
 The engine end to end: tests/vllm/test_vllm_engine.py."""
@@ -14,7 +14,7 @@ import vllm_models  # noqa: F401  (MEGARL_REQUIRE_VLLM=1: a missing vllm is an e
 
 # the recorder subclasses vLLM's logits processor: without vllm (the main .venv) nothing here runs
 pytest.importorskip("vllm.v1", reason="vllm is not installed here; `make test-vllm` runs this tier")
-from megarl.rollout.vllm_raw_logprobs import KEY, RECORDS, KeptMassRecorder
+from megarl.rollout.vllm_kept_mass import KEY, RECORDS, KeptMassRecorder
 
 
 def _recorder(vocab=6):

@@ -211,7 +211,7 @@ def test_megatron_actor_logprobs_equal_vllm_logprobs_when_bans_hold_most_of_the_
         check_sync(padded.logprobs, full_lp, mask, "float32")
 
 
-def test_untruncated_logprobs_equal_the_trainers_under_top_p_and_top_k_and_processed_ones_do_not(setup, model_dir,
+def test_scaled_logprobs_equal_the_trainers_under_top_p_and_top_k_and_processed_ones_do_not(setup, model_dir,
                                                                                                   world_of_one):
     """The off-policy ratio compares the engine's and the trainer's log-probs of one distribution,
     softmax((logits + bias) / T) over the allowed vocabulary (issue 24, item 3). With top-k/top-p
