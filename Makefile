@@ -144,7 +144,9 @@ multinode-deps:
 # vllm tests); under 5 minutes on 2 cores. `make test` still runs everything.
 # Lint: ruff on the whole tree (ruff.toml: the rule families that find bugs), mypy on the typed rooms.
 LINT_TYPED := megarl/layout megarl/hybrid/plan.py megarl/engine/batch.py megarl/platform/mcore_version.py \
-	megarl/platform/host_allocator.py megarl/platform/fake_world.py megarl/platform/process_groups.py
+	megarl/platform/host_allocator.py megarl/platform/fake_world.py megarl/platform/process_groups.py \
+	megarl/step/engine_options.py megarl/step/losses.py megarl/step/advantages.py megarl/step/updates.py \
+	megarl/step/scoring.py megarl/step/phase_clock.py megarl/step/memory_metrics.py megarl/hybrid/sync_check.py
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy --ignore-missing-imports --follow-imports=silent $(LINT_TYPED)

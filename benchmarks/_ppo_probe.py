@@ -138,12 +138,26 @@ class _GateLink:
             raise SystemExit(3)
 
 
+def phase_timer_class() -> type:
+    """The class that times the trainer's phases: megarl.step.phase_clock.PhaseTimer, or, in the
+    revisions before issue 40 moved it (a base the gate measures against can be one), megarl.trainer._Timer."""
+    try:
+        from megarl.step.phase_clock import PhaseTimer
+        return PhaseTimer
+    except ImportError:
+        from megarl import trainer as trainer_module
+
+        timer = getattr(trainer_module, "_Timer", None)
+        if timer is None:
+            raise SystemExit("benchmarks/_ppo_probe.py: neither megarl.step.phase_clock.PhaseTimer nor "
+                             "megarl.trainer._Timer is there; update the phase hooks")
+        return timer
+
+
 def install() -> None:
     from megarl import trainer as trainer_module
 
-    timer = getattr(trainer_module, "_Timer", None)
-    if timer is None:
-        raise SystemExit("benchmarks/_ppo_probe.py: megarl.trainer has no _Timer any more; update the phase hooks")
+    timer = phase_timer_class()
     try:
         injections = parse_injections(os.environ.get("MEGARL_BENCH_INJECT"))
     except ValueError as e:

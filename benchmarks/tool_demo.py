@@ -57,7 +57,7 @@ def evaluate(run_dir: Path, data_file: Path, cwd: Path, max_rows: int | None = N
     from megarl.rollout.base import RolloutRequest, SamplingParams
     from megarl.rollout.hf import HFRolloutEngine
     from megarl.rollout.multi_turn import MultiTurnRollout, MultiTurnSettings
-    from megarl.trainer import stop_token_ids
+    from megarl.rollout.base import stop_token_ids
 
     cfg = load_config(str(run_dir / "config.yaml"), [])
     last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]

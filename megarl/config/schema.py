@@ -214,7 +214,7 @@ class RoleOptimConfig:
     """Optimizer and LR schedule of one trained role, counted in *trainer* steps (as verl counts).
 
     The engine's `megarl.engine.engine.OptimConfig` counts optimizer steps instead;
-    `megarl.trainer.engine_config` converts (x ppo_epochs * ppo_mini_batches)."""
+    `megarl.step.engine_options.engine_config` converts (x ppo_epochs * ppo_mini_batches)."""
 
     lr: float = knob(1e-6, "peak learning rate", gt=0)
     betas: tuple[float, float] = knob((0.9, 0.999), "Adam betas")

@@ -1,6 +1,6 @@
 """Is the rollout engine running the weights the actor trains? Checks and per-step metrics.
 
-The trainer's check (`rollout.verify_weights`, megarl.trainer `_verify_sync`): after every weight
+The trainer's check (`rollout.verify_weights`, megarl.hybrid.sync_check `WeightSyncCheck`): after every weight
 sync it compares the engine's log-probs of its own samples with the actor's recomputation of them
 (`sync_stats`: mean, p99 and max of |engine - actor| over the response tokens; every rank's values
 reduced over the DP group, so all ranks reach the same verdict) against a per-dtype limit

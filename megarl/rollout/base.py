@@ -70,6 +70,14 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def stop_token_ids(rollout, eos_token_id: int | None) -> tuple[int, ...]:
+    """The tokens that end a response in every engine (each stops on exactly these, eos included
+    only through this list): rollout.stop_token_ids, then eos unless rollout.ignore_eos
+    (`rollout`: the config's rollout section)."""
+    eos = () if rollout.ignore_eos or eos_token_id is None else (eos_token_id,)
+    return tuple(rollout.stop_token_ids) + eos
+
+
 @dataclass(frozen=True)
 class RolloutRequest:
     """One prompt. prompt_index is its index in the global batch of this step (layout independent).

@@ -2,7 +2,7 @@
 builds from this DP rank's samples (token batch + the engine's log-probs).
 
 Training rollout, validation and the ReMax greedy baseline all generate and score through the
-same two trainer methods (`Trainer._generate`, `Trainer._score`), which produce and consume these.
+same two functions (`megarl.step.scoring.to_samples` and `SampleScorer`), which produce and consume these.
 """
 from __future__ import annotations
 

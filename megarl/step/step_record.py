@@ -9,13 +9,14 @@ The trainer builds each record once, from the phase that computes it:
     Scores      3 score        old log-probs, entropy, reference log-probs, values, teacher log-probs
     Correction  3 score        algorithm.rollout_correction's importance weights and loss mask
     StepRecord  5 advantages   everything above plus rewards, advantages and returns
-and the updates read the StepRecord. The engine works on `SequenceBatch` with per-token tensors by
+and the updates read the StepRecord; `ppo_step` returns a StepResult (metrics and guard events). The engine works on `SequenceBatch` with per-token tensors by
 name; the names live here only (`StepRecord.critic_batch` / `actor_batch` write them,
 `LossInputs.of` reads a micro-batch back), so neither the trainer nor a loss spells one.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
@@ -25,6 +26,14 @@ from megarl.engine.batch import SequenceBatch
 _MASK, _OLD_LOGPROBS, _REF_LOGPROBS, _OLD_VALUES = "response_mask", "old_logprobs", "ref_logprobs", "old_values"
 _ADVANTAGES, _RETURNS, _IS_WEIGHTS = "advantages", "returns", "rollout_is_weights"
 _TEACHER_LOGPROBS = "teacher_logprobs"
+
+
+class StepResult(NamedTuple):
+    """What one `ppo_step` (or one of its checks) returns: its metrics and the guard events that
+    fired, (name, fields)."""
+
+    metrics: dict[str, float]
+    events: list[tuple[str, dict]]
 
 
 @dataclass(frozen=True)

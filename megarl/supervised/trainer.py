@@ -31,7 +31,7 @@ from megarl.distributed.parallel import ParallelDims
 from megarl.runtime.preemption import PREEMPTED_EXIT_CODE, Preempted, PreemptionWatch
 from megarl.supervised.data import RowOrder, read_rows
 from megarl.supervised.tasks import RewardTask, SftTask
-from megarl.trainer import engine_config
+from megarl.step.engine_options import engine_config
 
 
 def make_task(stage: str, tokenizer):

@@ -1,7 +1,7 @@
 """One rank of a dry run (megarl.tools.dryrun): what that rank builds in a real run, on the meta
 device in a fake world, and what it holds.
 
-The engines are the trainer's own (`MegatronEngine` with the settings `megarl.trainer.engine_config`
+The engines are the trainer's own (`MegatronEngine` with the settings `megarl.step.engine_options.engine_config`
 derives from the run config): the model chunks from config.json, LoRA adapters, Megatron's DDP
 buffers and the distributed optimizer (its Adam state created as the checkpoint code creates it).
 Only the weights are missing: nothing is read but config.json.
@@ -95,7 +95,7 @@ def build_rank(cfg, model_dir: str, world_size: int, rank: int) -> RankBuild:
     from megarl.engine.engine import MegatronEngine
     from megarl.distributed.parallel import ParallelDims
     from megarl.platform import fake_world
-    from megarl.trainer import engine_config
+    from megarl.step.engine_options import engine_config
 
     start = time.perf_counter()
     fake_world.enter(rank, world_size)
@@ -137,7 +137,7 @@ def build_rank(cfg, model_dir: str, world_size: int, rank: int) -> RankBuild:
 
 def _sync_rows(engine) -> list[tuple]:
     """The actor's weight-sync metadata as the trainer hands it to the HybridEngine
-    (Trainer._actor_shards): a tied output layer is the embedding, streamed once. Under LoRA the
+    (megarl.rollout_side.build.actor_shards): a tied output layer is the embedding, streamed once. Under LoRA the
     merged and the base shards have the same shapes; the base's are taken (no merge on meta)."""
     from megarl.hybrid.engine import shard_metadata, streamed_shards
 

@@ -233,8 +233,8 @@ def test_score_sits_on_the_last_policy_token_and_the_batch_keeps_the_holes():
     """A response whose mask has holes (the environment's tokens): the sequence score goes on its
     last policy token, not at (number of policy tokens - 1), which may be an observation's."""
     from megarl.data.dataset import PromptRow
+    from megarl.step.advantages import scores_at_last_token
     from megarl.step.samples import Sample, to_rollout_batch
-    from megarl.trainer import _scores_at_last_token
 
     row = PromptRow(global_index=0, row=0, prompt="p", ground_truth="", data_source="", prompt_ids=[7, 8])
     samples = [Sample(row, 0, [1, 2, 3, 4, 5], [-0.5, -0.25, 0.0, 0.0, -1.0], True, "", response_mask=[1, 1, 0, 0, 1]),
@@ -244,5 +244,5 @@ def test_score_sits_on_the_last_policy_token_and_the_batch_keeps_the_holes():
     mask = batch.batch.response_mask
     assert mask.tolist() == [[1, 1, 0, 0, 1, 0], [1, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0]]
     assert batch.rollout_logprobs[0].tolist() == [-0.5, -0.25, 0.0, 0.0, -1.0, 0.0]
-    rewards = _scores_at_last_token(torch.tensor([2.0, 3.0, 5.0]), mask)
+    rewards = scores_at_last_token(torch.tensor([2.0, 3.0, 5.0]), mask)
     assert rewards.tolist() == [[0, 0, 0, 0, 2.0, 0], [3.0, 0, 0, 0, 0, 0], [0, 0, 5.0, 0, 0, 0]]

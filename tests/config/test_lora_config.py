@@ -18,7 +18,7 @@ BASE = ["model.path=m", "data.train_files=[t.parquet]"]
 
 
 def test_lora_is_off_by_default_and_reaches_the_engines():
-    from megarl.trainer import engine_config
+    from megarl.step.engine_options import engine_config
 
     cfg = load_config(None, BASE)
     assert cfg.actor.lora.rank == 0 and cfg.critic.lora.rank == 0 and engine_config(cfg, "actor", 10).lora is None

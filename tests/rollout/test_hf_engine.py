@@ -121,7 +121,7 @@ def test_ignore_eos_runs_every_response_to_the_limit(tiny_models):
     """rollout.ignore_eos takes eos out of the stop tokens the trainer gives every engine: the token
     that ends a greedy response with eos stopping it no longer ends it."""
     from megarl.config.schema import RolloutConfig
-    from megarl.trainer import stop_token_ids
+    from megarl.rollout.base import stop_token_ids
 
     engine = HFRolloutEngine(_reference(tiny_models["qwen3"]))
     reqs = [RolloutRequest((5, 6, 7), 0)]

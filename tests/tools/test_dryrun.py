@@ -332,7 +332,7 @@ def test_checkpoint_pieces_are_megatrons_own(tiny_moe_671b_models):
     from megarl.distributed.parallel import ParallelDims
     from megarl.platform import fake_world, init_platform
     from megarl.tools.dryrun_checkpoint import engine_pieces
-    from megarl.trainer import engine_config
+    from megarl.step.engine_options import engine_config
 
     model = tiny_moe_671b_models["deepseek_v3"]
     cfg = load_config(TINY_CONFIG, TINY + [f"model.path={model}"])

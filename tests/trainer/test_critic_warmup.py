@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from megarl.trainer import actor_updates_at
+from megarl.step.updates import actor_updates_at
 
 
 @pytest.mark.parametrize("warmup, first_actor_step", [(0, 1), (1, 1), (2, 2), (5, 5)])

@@ -13,20 +13,17 @@ from megarl.hybrid.verify import WeightSyncMismatch
 from megarl.step.samples import RolloutBatch
 
 
-def bare_trainer(*overrides: str):
-    """Trainer's check methods on a one-rank layout (dp 1: the DP reduction is local), no models."""
+def sync_check(*overrides: str):
+    """(the trainer's weight-sync check on a one-rank layout (dp 1: the DP reduction is local), no
+    models; the list its log lines go to)."""
+    from megarl.hybrid.sync_check import WeightSyncCheck
     from megarl.step.global_batch import GlobalBatch
-    from megarl.trainer import Trainer
 
-    trainer = Trainer.__new__(Trainer)
-    trainer.cfg = load_config(None, ["model.path=unused", "data.train_files=[unused]", "model.dtype=bfloat16", "rollout.engine=vllm", *overrides])
-    trainer.dims = types.SimpleNamespace(dp=1, rank=0)
-    trainer.global_batch = GlobalBatch(trainer.dims)
-    trainer.actor = types.SimpleNamespace(spec=types.SimpleNamespace(family="llama"))
-    trainer.lines = []
-    trainer.log = trainer.lines.append
-    trainer.step, trainer._sync_checked = 1, False
-    return trainer
+    cfg = load_config(None, ["model.path=unused", "data.train_files=[unused]", "model.dtype=bfloat16", "rollout.engine=vllm", *overrides])
+    lines: list[str] = []
+    check = WeightSyncCheck(cfg.rollout, cfg.model.dtype, "llama", GlobalBatch(types.SimpleNamespace(dp=1, rank=0)),
+                            lines.append, rank=0)
+    return check, lines
 
 
 def rollout(gap: float) -> tuple[RolloutBatch, torch.Tensor, torch.Tensor]:
@@ -39,29 +36,27 @@ def rollout(gap: float) -> tuple[RolloutBatch, torch.Tensor, torch.Tensor]:
 
 
 def test_first_sync_over_the_limit_raises():
-    trainer = bare_trainer()
+    check, _ = sync_check()
     with pytest.raises(WeightSyncMismatch, match=r"rollout.engine=vllm \(llama model\).*mean 0\.1.*mean <= 0\.07.*first sync"):
-        trainer._verify_sync(*rollout(0.1))
+        check(1, *rollout(0.1))
 
 
 def test_later_sync_over_the_limit_fires_the_guard_and_goes_on():
-    trainer = bare_trainer()
-    first = trainer._verify_sync(*rollout(0.03))  # passes: metrics, no event
+    check, lines = sync_check()
+    first = check(1, *rollout(0.03))  # passes: metrics, no event
     assert first.events == [] and first.metrics["training/sync_logprob_diff_mean"] == pytest.approx(0.03)
-    trainer.step = 2
-    later = trainer._verify_sync(*rollout(0.1))  # would have raised on the first sync
+    later = check(2, *rollout(0.1))  # would have raised on the first sync
     (name, fields), = later.events
     assert name == "guard/weight_sync" and fields["mean_limit"] == 0.07
     assert fields["training/sync_logprob_diff_mean"] == pytest.approx(0.1)
     assert later.metrics["training/sync_logprob_diff_p99"] == pytest.approx(0.1)
-    assert len(trainer.lines) == 1 and "step 2: guard/weight_sync" in trainer.lines[0]
+    assert len(lines) == 1 and "step 2: guard/weight_sync" in lines[0]
 
 
 def test_mean_limit_knob():
-    trainer = bare_trainer("rollout.verify_weights_mean_atol=0.2")
-    assert trainer._verify_sync(*rollout(0.1)).events == []  # first sync, under 0.2
-    trainer.step = 2
-    (name, fields), = trainer._verify_sync(*rollout(0.25)).events
+    check, _ = sync_check("rollout.verify_weights_mean_atol=0.2")
+    assert check(1, *rollout(0.1)).events == []  # first sync, under 0.2
+    (name, fields), = check(2, *rollout(0.25)).events
     assert name == "guard/weight_sync" and fields["mean_limit"] == 0.2
     with pytest.raises(WeightSyncMismatch, match=r"mean <= 0\.01"):
-        bare_trainer("rollout.verify_weights_mean_atol=0.01")._verify_sync(*rollout(0.03))
+        sync_check("rollout.verify_weights_mean_atol=0.01")[0](1, *rollout(0.03))
