@@ -58,10 +58,10 @@ def main() -> int:
     ids = torch.randint(0, min(vocab, 1000), (n, seq), generator=gen).tolist()
     batch = SequenceBatch(ids, [seq - resp] * n, [dims.dp_rank * n + i for i in range(n)], resp,
                           {"response_mask": torch.ones(n, resp), "advantages": torch.randn(n, resp, generator=gen)})
-    batch.tensors["old_logprobs"] = engine.forward_only(batch)["logprobs"]
+    batch.tensors["old_logprobs"] = engine.forward_only(batch).logprobs
 
     def loss_fn(out, mb, totals):
-        return policy_loss(out["logprobs"], mb["old_logprobs"], mb["advantages"], mb["response_mask"], global_tokens=totals["tokens"])
+        return policy_loss(out.logprobs, mb.fields["old_logprobs"], mb.fields["advantages"], mb.response_mask, global_tokens=totals.tokens)
 
     def update():
         engine.train_step(batch, loss_fn, fields=("old_logprobs", "advantages"), num_global=n * dims.dp)

@@ -87,7 +87,7 @@ def one_layout(model_dir: str, layout: dict, seq_lens: list[int], rounds: int) -
         batch = SequenceBatch([seqs[i] for i in mine], [L - R], mine, R, tensors)
 
         def loss_fn(o, mb, totals):
-            return policy_loss(o["logprobs"], mb["old_logprobs"], mb["advantages"], mb["response_mask"], global_tokens=totals["tokens"])
+            return policy_loss(o.logprobs, mb.fields["old_logprobs"], mb.fields["advantages"], mb.response_mask, global_tokens=totals.tokens)
 
         step = functools.partial(engine.train_step, batch, loss_fn, fields=("old_logprobs", "advantages"), num_global=n_global)
 

@@ -197,11 +197,11 @@ def make_batch(n: int, seq: int, vocab: int):
 def megarl_update(engine, batch) -> None:
     from megarl.algorithms.losses import policy_loss
 
-    batch.tensors["old_logprobs"] = engine.forward_only(batch)["logprobs"]
+    batch.tensors["old_logprobs"] = engine.forward_only(batch).logprobs
 
     def loss_fn(out, mb, totals):
-        return policy_loss(out["logprobs"], mb["old_logprobs"], mb["advantages"], mb["response_mask"], *CLIP,
-                           global_tokens=totals["tokens"])
+        return policy_loss(out.logprobs, mb.fields["old_logprobs"], mb.fields["advantages"], mb.response_mask, *CLIP,
+                           global_tokens=totals.tokens)
 
     engine.train_step(batch, loss_fn, fields=("old_logprobs", "advantages"), num_global=len(batch))
 

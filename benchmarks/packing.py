@@ -64,7 +64,7 @@ def main() -> int:
     batch = ragged_batch(args.sequences, args.prompt, args.response, vocab, dims.dp_rank)
 
     def loss_fn(out, mb, totals):
-        return policy_loss(out["logprobs"], mb["old_logprobs"], mb["advantages"], mb["response_mask"], global_tokens=totals["tokens"])
+        return policy_loss(out.logprobs, mb.fields["old_logprobs"], mb.fields["advantages"], mb.response_mask, global_tokens=totals.tokens)
 
     engines, fed = {}, {}
     for layout in ("packed", "padded"):
@@ -77,7 +77,7 @@ def main() -> int:
         if gpu:
             torch.cuda.synchronize()
         start = clock()
-        batch.tensors["old_logprobs"] = engine.forward_only(batch)["logprobs"]
+        batch.tensors["old_logprobs"] = engine.forward_only(batch).logprobs
         engine.train_step(batch, loss_fn, fields=("old_logprobs", "advantages"), num_global=args.sequences * dims.dp)
         if gpu:
             torch.cuda.synchronize()

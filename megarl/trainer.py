@@ -19,7 +19,8 @@ the KL controller's input) are computed on the all-gathered batch, so every layo
 same numbers.
 
 What a step computes travels in typed, immutable records (megarl.step.step_record: Scores, Correction,
-StepRecord; the losses read LossInputs / ModelOutputs / Totals), built once by the phase that computes them.
+StepRecord; the engines return ModelOutputs and call the losses with typed micro-batches,
+megarl.engine.batch), built once by the phase that computes them.
 
 The rollout side (colocated, separate, dynamic sampling around either) is chosen once, when the
 trainer is built (megarl.rollout_side.build), so `ppo_step` reads as the phases of a step whatever
@@ -67,7 +68,8 @@ from megarl.step.phase_clock import PhaseClock
 from megarl.step.samples import RolloutBatch, Sample, id_records, merge_id_records, to_rollout_batch
 from megarl.step.scoring import SampleScorer, to_samples
 from megarl.step.step_metrics import local_stats, step_metrics
-from megarl.step.step_record import ModelOutputs, Scores, StepRecord, StepResult
+from megarl.engine.batch import ModelOutputs
+from megarl.step.step_record import Scores, StepRecord, StepResult
 from megarl.step.updates import actor_updates_at, update_actor, update_critic
 
 
@@ -227,8 +229,8 @@ class Trainer:
         with clock("timing_s/old_log_prob"):
             # The policy is the distribution the engine sampled: logits / temperature over the
             # vocabulary without rollout.banned_token_ids, for the actor (old and current) and the reference.
-            old = ModelOutputs.of(self.actor.forward_only(batch, entropy=True, temperature=self.sampling.temperature,
-                                                          banned_token_ids=self.sampling.banned_token_ids))
+            old = self.actor.forward_only(batch, entropy=True, temperature=self.sampling.temperature,
+                                          banned_token_ids=self.sampling.banned_token_ids)
         sync_check = (self.sync_check(self.step, rollout_batch, old.logprobs, mask)
                       if generated.current_weights else StepResult({}, []))  # stale samples differ
         # algorithm.rollout_correction: importance weights / rejection between the engine's log-probs
@@ -263,14 +265,14 @@ class Trainer:
         if self.uses_ref:
             with clock("timing_s/ref"):
                 ref = self.ref or self.actor
-                ref_logprobs = ModelOutputs.of(ref.forward_only(batch, temperature=self.sampling.temperature,
-                                                                banned_token_ids=self.sampling.banned_token_ids,
-                                                                adapters=not self.ref_from_actor)).logprobs
+                ref_logprobs = ref.forward_only(batch, temperature=self.sampling.temperature,
+                                                banned_token_ids=self.sampling.banned_token_ids,
+                                                adapters=not self.ref_from_actor).logprobs
                 if self.ref is not None:
                     self.ref.offload()
         if self.critic is not None:
             with clock("timing_s/values"):
-                values = ModelOutputs.of(self.critic.forward_only(batch)).values
+                values = self.critic.forward_only(batch).values
         teacher_logprobs = None
         if self.distill is not None:
             with clock("timing_s/teacher"):

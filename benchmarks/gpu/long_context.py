@@ -54,13 +54,13 @@ def side(model_dir: str, cp: int, use_te: bool, L: int, dtype: str, rounds: int,
     tensors = {"response_mask": torch.ones(len(rows), R), "advantages": torch.randn(world, R, generator=g)[rows],
                "old_logprobs": torch.full((len(rows), R), -8.0)}
     batch = SequenceBatch([seqs[i] for i in rows], [L - R] * len(rows), rows, R, tensors)
-    logprobs = engine.forward_only(batch)["logprobs"]
+    logprobs = engine.forward_only(batch).logprobs
     gathered = [None] * world
     dist.all_gather_object(gathered, {i: logprobs[k] for k, i in enumerate(rows)})
     all_lp = {i: v for part in gathered for i, v in part.items()}
 
     def loss_fn(o, mb, totals):
-        return policy_loss(o["logprobs"], mb["old_logprobs"], mb["advantages"], mb["response_mask"], global_tokens=totals["tokens"])
+        return policy_loss(o.logprobs, mb.fields["old_logprobs"], mb.fields["advantages"], mb.response_mask, global_tokens=totals.tokens)
 
     times, peak = [], 0
     for r in range(rounds + 1):

@@ -31,13 +31,13 @@ from megarl.algorithms.kl import (
     kl_penalty,
 )
 from megarl.algorithms.losses import AGG_MODES, agg_loss, gspo_policy_loss, policy_loss, value_loss
-from megarl.algorithms.rollout_correction import CORRECTION_MODES, Correction, compute_rollout_correction
+from megarl.algorithms.rollout_correction import CORRECTION_MODES, CorrectionTerms, compute_rollout_correction
 
 __all__ = [
     "AGG_MODES",
     "CORRECTION_MODES",
     "DISTILL_MODES",
-    "Correction",
+    "CorrectionTerms",
     "KL_KINDS",
     "KL_KINDS_ALL",
     "AdaptiveKLController",

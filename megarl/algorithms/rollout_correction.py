@@ -50,8 +50,9 @@ IS_LEVELS = ("token", "sequence")
 SAFETY_LOG_BOUND = 20.0  # exp(+-20): verl's rollout_corr_helper bound, keeps a stale token from overflowing exp
 
 
-class Correction(NamedTuple):
-    """What a mode does to a batch [batch, response_len].
+class CorrectionTerms(NamedTuple):
+    """What a mode does to a batch [batch, response_len] (the step turns it into its record,
+    megarl.step.step_record.Correction, with the metrics reduced over the global batch).
 
     weights: multiply the per-token policy loss (0 on padding); None for mode none.
     loss_mask: the mask the actor's loss aggregates over (the response mask minus rejected sequences).
@@ -93,7 +94,7 @@ def compute_rollout_correction(
     icepop_low: float = 0.5,
     icepop_high: float = 5.0,
     behav_imp_weight_cap: float | None = None,
-) -> Correction:
+) -> CorrectionTerms:
     """The weights and loss mask of `mode` (see the module doc) for one batch.
 
     old_logp: the trainer's log-probs before the update (proximal); rollout_logp: the engine's
@@ -114,7 +115,7 @@ def compute_rollout_correction(
     mask = response_mask.to(old_logp.dtype)
     lr = log_ratio(old_logp.detach(), rollout_logp.detach(), response_mask)
     if mode == "none":
-        return Correction(None, response_mask, none, none)
+        return CorrectionTerms(None, response_mask, none, none)
 
     if mode == "tis":
         if rollout_is == "sequence":
@@ -122,7 +123,7 @@ def compute_rollout_correction(
         else:
             ratio = _safe_exp(lr)
         clipped = (ratio > rollout_is_threshold) & valid
-        return Correction(ratio.clamp(max=rollout_is_threshold) * mask, response_mask, clipped, none)
+        return CorrectionTerms(ratio.clamp(max=rollout_is_threshold) * mask, response_mask, clipped, none)
 
     if mode == "mis":
         upper = rollout_rs_threshold
@@ -131,14 +132,14 @@ def compute_rollout_correction(
         keep = ((rho >= lower) & (rho <= upper)).unsqueeze(-1)
         loss_mask = response_mask * keep.to(response_mask.dtype)
         weights = rho.unsqueeze(-1) * keep * mask
-        return Correction(weights, loss_mask, none, valid & ~keep)
+        return CorrectionTerms(weights, loss_mask, none, valid & ~keep)
 
     ratio = _safe_exp(lr)
     if mode == "icepop":
         keep = (ratio >= icepop_low) & (ratio <= icepop_high)
     else:  # decoupled
         keep = torch.ones_like(valid) if behav_imp_weight_cap is None else ratio <= behav_imp_weight_cap
-    return Correction(ratio * keep * mask, response_mask, none, valid & ~keep)
+    return CorrectionTerms(ratio * keep * mask, response_mask, none, valid & ~keep)
 
 
 # --- metrics ----------------------------------------------------------------------------------------
@@ -146,7 +147,7 @@ def compute_rollout_correction(
 # data-parallel ranks (megarl.step.global_batch.LocalStats) and get the global-batch value; `metrics` does
 # the same reduction over one batch. Names are verl's (rollout_corr_helper.compute_offpolicy_metrics).
 
-def metric_partials(corr: Correction, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
+def metric_partials(corr: CorrectionTerms, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
                     response_mask: torch.Tensor) -> list[tuple[str, str, torch.Tensor, torch.Tensor | None]]:
     """[(kind, name, x, mask)] with kind "mean" (masked mean of x), "max" or "min" (over x's entries).
 
@@ -192,7 +193,7 @@ def finish_metrics(values: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def metrics(corr: Correction, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
+def metrics(corr: CorrectionTerms, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
             response_mask: torch.Tensor) -> dict[str, float]:
     """The rollout_corr/ metrics of one batch (python floats)."""
     values = {}

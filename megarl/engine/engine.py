@@ -15,13 +15,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from megarl.engine import context_parallel, micro_batches, offload, solo_groups
-from megarl.engine.batch import SequenceBatch
+from megarl.engine.batch import LossBatch, LossFn, ModelOutputs, SequenceBatch, Totals
 from megarl.engine.checkpointing import load_engine, save_engine
 from megarl.engine.forward import interleaved_count, is_dense, model_forward, pipeline_forward, schedule_inputs
 from megarl.models import load_model_chunks, lora, moe_routing
@@ -64,15 +63,6 @@ class EngineConfig:
     # is 0 up to rounding, which Adam would still turn into steps; transformers' *ForSequenceClassification
     # head has no bias, so a drifted one would shift every score of the export.
     train_value_head_bias: bool = True
-
-
-# loss_fn(outputs, micro_batch_tensors, totals) -> (loss contribution, {metric: value})
-#   outputs: {"logprobs"|"entropy"|"values": [b, response_len]}; micro_batch_tensors: the batch's
-#   per-token fields for these rows; totals: {"tokens", "seqs"} of the whole mini-batch.
-#   A metric value is a float or a 0-d tensor: tensors are summed where they are and read once per
-#   train_step (no host synchronisation inside the loss). The trainer's losses read the three as
-#   typed records (megarl.step.step_record: ModelOutputs.of, LossInputs.of, Totals.of).
-LossFn = Callable[[dict, dict, dict], tuple[torch.Tensor, dict[str, "float | torch.Tensor"]]]
 
 
 def fused_adam_on_cpu(optimizer) -> None:
@@ -318,7 +308,7 @@ class MegatronEngine:
 
     # --- forward only ---------------------------------------------------------------------------------
     def forward_only(self, batch: SequenceBatch, entropy: bool = False, temperature: float = 1.0,
-                     banned_token_ids: tuple[int, ...] = (), adapters: bool = True) -> dict[str, torch.Tensor]:
+                     banned_token_ids: tuple[int, ...] = (), adapters: bool = True) -> ModelOutputs:
         """Per-response-token log-probs (and the entropy, if `entropy`) or values, [n, response_len], on every rank.
         temperature and banned_token_ids: the rollout's, so the log-probs are of the distribution it sampled.
         adapters=False: the base model under LoRA (the reference policy without a second model)."""
@@ -327,7 +317,7 @@ class MegatronEngine:
         with lora.disabled(self.chunks):
             return self._forward_only(batch, entropy, temperature, banned_token_ids)
 
-    def _forward_only(self, batch, entropy, temperature, banned_token_ids) -> dict[str, torch.Tensor]:
+    def _forward_only(self, batch, entropy, temperature, banned_token_ids) -> ModelOutputs:
         self.onload()
         self._set_mode(train=False)
         rows = list(range(len(batch)))
@@ -343,7 +333,7 @@ class MegatronEngine:
             targets = [mb["rows"][i] for i in slots]
             for k, v in result.items():
                 merged[k][targets] = v[slots]
-        return {k: v * batch.response_mask.to(v.dtype) for k, v in merged.items()}
+        return ModelOutputs(**{k: v * batch.response_mask.to(v.dtype) for k, v in merged.items()})
 
     # --- training ---------------------------------------------------------------------------------------
     def train_step(
@@ -399,7 +389,8 @@ class MegatronEngine:
                 def loss_func(mb, output):
                     with device_rewrite_paused(dense):  # megarl's own code: it names no CUDA device
                         outputs = self._outputs(output, mb, entropy, temperature, banned_token_ids)
-                        loss, metrics = loss_fn(outputs, mb, totals)
+                        loss, metrics = loss_fn(ModelOutputs(**outputs), LossBatch(mb["response_mask"], mb["response_tokens"],
+                                                                                   {f: mb[f] for f in fields}), totals)
                     weight = mb["response_tokens"]  # counted on the host when the micro-batch was built
                     reduced.append({"weight": weight, **{m: _weighted(v, weight) for m, v in metrics.items()}})
                     # The schedule divides by the micro-batch count and DDP averages over DP; both
@@ -472,11 +463,11 @@ class MegatronEngine:
     def _global_count(self, local: int) -> int:
         return int(self._over_dp(torch.tensor([local], dtype=torch.long)))
 
-    def _totals(self, batch: SequenceBatch, rows: list[int]) -> dict[str, float]:
+    def _totals(self, batch: SequenceBatch, rows: list[int]) -> Totals:
         """Valid tokens and non-empty sequences in the whole mini-batch (summed over DP)."""
         mask = batch.response_mask[rows] if rows else batch.response_mask[:0]
         t = self._over_dp(torch.tensor([mask.sum().item(), (mask.sum(-1) > 0).sum().item()], dtype=torch.float64))
-        return {"tokens": float(t[0]), "seqs": float(t[1])}
+        return Totals(tokens=float(t[0]), seqs=float(t[1]))
 
     def _reduce_metrics(self, sums: dict[str, float | torch.Tensor], weight: float) -> dict[str, float]:
         """Token-weighted means over micro-batches and DP ranks, then from the last stage to all.

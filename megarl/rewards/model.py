@@ -38,4 +38,4 @@ class RewardModel:
         # position of the last real token, i.e. after the model has seen the whole text.
         batch = SequenceBatch([s + [pad] for s in sequences], [len(s) for s in sequences], list(range(len(sequences))), 1,
                               {"response_mask": torch.ones(len(sequences), 1)})
-        return self.engine.forward_only(batch)["values"][:, 0].tolist()
+        return self.engine.forward_only(batch).values[:, 0].tolist()

@@ -40,7 +40,7 @@ class Distillation:
     def score(self, batch: SequenceBatch, temperature: float, banned_token_ids: tuple[int, ...]) -> torch.Tensor:
         """[n, R] the teacher's log-probs of the sampled tokens under the distribution the policy
         sampled from (logits / temperature, banned tokens removed), 0 off the response mask."""
-        logprobs = self.teacher.forward_only(batch, temperature=temperature, banned_token_ids=banned_token_ids)["logprobs"]
+        logprobs = self.teacher.forward_only(batch, temperature=temperature, banned_token_ids=banned_token_ids).logprobs
         self.teacher.offload()  # as configured (ref.param_offload): frozen weights out of the update's way
         return logprobs
 

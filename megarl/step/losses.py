@@ -1,7 +1,8 @@
 """The update phase's loss functions: `critic_loss` (the clipped value loss) and `actor_loss` (the
 clipped surrogate or GSPO, dual clip, entropy bonus, KL loss, the distillation term), each built
 once per update from its role's config and handed to `MegatronEngine.train_step`, which calls it
-per micro-batch as loss_fn(outputs, micro_batch, totals) -> (loss, metrics).
+per micro-batch as loss_fn(ModelOutputs, LossBatch, Totals) -> (loss, metrics) (megarl.engine.batch);
+the micro-batch's fields are read as the step record's `LossInputs`.
 
 The math is megarl.algorithms'; this module picks the terms a config asks for, normalises by the
 mini-batch totals (`Totals`: tokens and sequences over the data-parallel mini-batch) and reports
@@ -11,16 +12,16 @@ from __future__ import annotations
 import torch
 
 from megarl import algorithms as A
-from megarl.engine.engine import LossFn
+from megarl.engine.batch import LossBatch, LossFn, ModelOutputs, Totals
 from megarl.step.distill import Distillation
-from megarl.step.step_record import LossInputs, ModelOutputs, Totals
+from megarl.step.step_record import LossInputs
 
 
 def critic_loss(critic_cfg, response_len: int) -> LossFn:
     """Clipped value loss (critic.vf_clip), aggregated by critic.loss_agg_mode."""
 
-    def loss_fn(out, mb, totals):
-        o, x, t = ModelOutputs.of(out), LossInputs.of(mb), Totals.of(totals)
+    def loss_fn(o: ModelOutputs, mb: LossBatch, t: Totals):
+        x = LossInputs.of(mb)
         loss, metrics = A.value_loss(o.values, x.old_values, x.returns, x.response_mask, critic_cfg.vf_clip,
                                      agg=critic_cfg.loss_agg_mode, **agg_totals(t, critic_cfg.loss_agg_mode, response_len))
         return loss, {**metrics, "critic/vf_loss": local_loss_value(loss, t, x)}
@@ -36,8 +37,8 @@ def actor_loss(actor_cfg, distill: Distillation | None, response_len: int) -> Lo
     clip_low = actor_cfg.clip_ratio_low if actor_cfg.clip_ratio_low is not None else actor_cfg.clip_ratio
     clip_high = actor_cfg.clip_ratio_high if actor_cfg.clip_ratio_high is not None else actor_cfg.clip_ratio
 
-    def loss_fn(out, mb, totals):
-        o, x, t = ModelOutputs.of(out), LossInputs.of(mb), Totals.of(totals)
+    def loss_fn(o: ModelOutputs, mb: LossBatch, t: Totals):
+        x = LossInputs.of(mb)
         mask = x.response_mask
         agg = agg_totals(t, agg_mode, response_len)
         if actor_cfg.policy_loss == "gspo":

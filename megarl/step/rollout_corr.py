@@ -17,15 +17,15 @@ from megarl.step.global_batch import GlobalBatch, LocalStats
 from megarl.step.step_record import Correction
 
 
-def apply(rc, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, logprobs_are_raw: bool,
+def apply(rc, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, logprobs_are_scaled: bool,
           global_batch: GlobalBatch) -> Correction:
     """The mode's weights and, where it rejects samples, its loss mask (each [n, R], in the mask's
     dtype), with the rollout_corr/ metrics, identical on every rank (one DP reduction).
     rc: the algorithm.rollout_correction config; old_logprobs: the actor's (the proximal policy)."""
-    if not logprobs_are_raw:
+    if not logprobs_are_scaled:
         if rc.mode != "none":  # validation refuses this combination; a new engine could still get here
-            raise RuntimeError(f"algorithm.rollout_correction.mode={rc.mode} needs the engine's untruncated log-probs at the "
-                               f"sampling temperature, which this rollout engine did not return with rollout.top_p / top_k "
+            raise RuntimeError(f"algorithm.rollout_correction.mode={rc.mode} needs the engine's scaled log-probs (untruncated, at the "
+                               f"sampling temperature), which this rollout engine did not return with rollout.top_p / top_k "
                                f"set (vLLM returns them only under its V1 model runner: VLLM_USE_V2_MODEL_RUNNER=0; "
                                f"docs/algorithms.md): use mode=none, or drop the truncation")
         return Correction()

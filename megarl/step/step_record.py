@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from megarl.engine.batch import SequenceBatch
+from megarl.engine.batch import LossBatch, SequenceBatch
 
 # the per-token tensors of a SequenceBatch the engine cuts into micro-batches, by name
 _MASK, _OLD_LOGPROBS, _REF_LOGPROBS, _OLD_VALUES = "response_mask", "old_logprobs", "ref_logprobs", "old_values"
@@ -135,35 +135,10 @@ class LossInputs:
     teacher_logprobs: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, mb: dict) -> "LossInputs":
-        """From the engine's micro-batch (megarl.engine.micro_batches.build)."""
-        return cls(mb[_MASK], mb["response_tokens"], mb.get(_OLD_LOGPROBS), mb.get(_ADVANTAGES), mb.get(_REF_LOGPROBS),
-                   mb.get(_IS_WEIGHTS), mb.get(_OLD_VALUES), mb.get(_RETURNS), mb.get(_TEACHER_LOGPROBS))
+    def of(cls, mb: LossBatch) -> "LossInputs":
+        """From the engine's micro-batch (the fields `StepRecord.critic_batch` / `actor_batch` named)."""
+        f = mb.fields
+        return cls(mb.response_mask, mb.response_tokens, f.get(_OLD_LOGPROBS), f.get(_ADVANTAGES), f.get(_REF_LOGPROBS),
+                   f.get(_IS_WEIGHTS), f.get(_OLD_VALUES), f.get(_RETURNS), f.get(_TEACHER_LOGPROBS))
 
 
-@dataclass(frozen=True)
-class ModelOutputs:
-    """What a forward computes per response token, each [b, R] (None where not asked for):
-    logprobs and entropy of the sampling distribution (a policy), values (a value model)."""
-
-    logprobs: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
-    values: torch.Tensor | None = None
-
-    @classmethod
-    def of(cls, out: dict) -> "ModelOutputs":
-        """From the engine's outputs (MegatronEngine.forward_only, or a loss function's `outputs`)."""
-        return cls(out.get("logprobs"), out.get("entropy"), out.get("values"))
-
-
-@dataclass(frozen=True)
-class Totals:
-    """The whole mini-batch's valid tokens and non-empty sequences (summed over DP ranks), which
-    every micro-batch's loss contribution is normalised by (megarl.algorithms.agg_loss)."""
-
-    tokens: float
-    seqs: float
-
-    @classmethod
-    def of(cls, totals: dict) -> "Totals":
-        return cls(totals["tokens"], totals["seqs"])

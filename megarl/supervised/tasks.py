@@ -48,10 +48,10 @@ class SftTask:
 
     def train(self, engine: MegatronEngine, examples: Sequence[SftExample], block: range, global_batch: GlobalBatch) -> dict:
         def loss_fn(out, mb, totals):
-            mask = mb["response_mask"]
-            loss = sft_loss_contribution(out["logprobs"], mask, totals["tokens"])
+            mask = mb.response_mask
+            loss = sft_loss_contribution(out.logprobs, mask, totals.tokens)
             # the metric is this micro-batch's token mean: the engine weights it by its tokens
-            return loss, {"loss": -(out["logprobs"] * mask).sum() / mask.sum().clamp_min(1)}
+            return loss, {"loss": -(out.logprobs * mask).sum() / mask.sum().clamp_min(1)}
 
         batch = self.batch(examples, block)
         stats = engine.train_step(batch, loss_fn, fields=(), num_global=len(examples))
@@ -66,7 +66,7 @@ class SftTask:
             part = [examples[i] for i in chunk]
             per_rank = len(part) // dims.dp
             batch = self.batch(part, range(dims.dp_rank * per_rank, (dims.dp_rank + 1) * per_rank))
-            logprobs = engine.forward_only(batch)["logprobs"]
+            logprobs = engine.forward_only(batch).logprobs
             nll -= (logprobs.double() * batch.response_mask).sum()
             tokens += batch.response_mask.sum()
         stats = LocalStats()
@@ -96,7 +96,7 @@ class RewardTask:
 
     def scores(self, engine: MegatronEngine, batch: SequenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The chosen and rejected scores [P] of this rank's pairs."""
-        values = engine.forward_only(batch)["values"][:, 0].double()
+        values = engine.forward_only(batch).values[:, 0].double()
         return values[0::2], values[1::2]
 
     def train(self, engine: MegatronEngine, pairs: Sequence[PreferencePair], block: range, global_batch: GlobalBatch) -> dict:
@@ -107,7 +107,7 @@ class RewardTask:
 
         def loss_fn(out, mb, totals):
             # sum_i dL/dr_i * r_i: the Bradley-Terry loss's gradient (megarl.supervised.losses)
-            return (out["values"] * mb["score_grad"] * mb["response_mask"]).sum(), {}
+            return (out.values * mb.fields["score_grad"] * mb.response_mask).sum(), {}
 
         stats = engine.train_step(batch, loss_fn, fields=("score_grad",), num_global=2 * len(pairs))
         metrics = _pair_metrics(global_batch, "rm", chosen, rejected)

@@ -94,7 +94,7 @@ def packed_logprobs(model_dir: str, dims, dtype: str, sequences: list[list[int]]
     width = max((len(s) for s in sequences), default=2) - 1
     mask = torch.tensor([[1.0] * (len(s) - 1) + [0.0] * (width - len(s) + 1) for s in sequences]).reshape(len(sequences), width)
     batch = SequenceBatch(sequences, [1] * len(sequences), list(range(len(sequences))), width, {"response_mask": mask})
-    lp = engine.forward_only(batch)["logprobs"]
+    lp = engine.forward_only(batch).logprobs
     return [lp[i, : len(s) - 1].tolist() for i, s in enumerate(sequences)]
 
 

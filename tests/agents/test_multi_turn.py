@@ -176,7 +176,7 @@ def test_actor_logprobs_of_policy_tokens_equal_the_engines_after_an_episode(hf, 
         engine_lp[i, : len(r.scaled_logprobs)] = torch.tensor(r.scaled_logprobs)
     batch = SequenceBatch([list(PROMPTS[r.prompt_index]) + r.response_token_ids for r in results],
                           [len(PROMPTS[r.prompt_index]) for r in results], list(range(len(results))), R, {"response_mask": mask})
-    actor_lp = actor.forward_only(batch, temperature=sampling.temperature)["logprobs"]
+    actor_lp = actor.forward_only(batch, temperature=sampling.temperature).logprobs
     on = mask.bool()
     assert (mask == 0).logical_and(torch.arange(R) < torch.tensor([len(r.response_mask) for r in results])[:, None]).sum() > 0
     assert (actor_lp - engine_lp)[on].abs().max() < 2e-5  # float32 noise

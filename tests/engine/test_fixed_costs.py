@@ -70,7 +70,7 @@ def test_train_step_runs_a_dense_model_outside_the_mode_with_fused_adam_and_no_c
     before = [p.detach().clone() for p in engine.module.parameters()]
 
     def loss_fn(out, mb, totals):
-        return policy_loss(out["logprobs"], mb["old_logprobs"], mb["advantages"], mb["response_mask"], global_tokens=totals["tokens"])
+        return policy_loss(out.logprobs, mb.fields["old_logprobs"], mb.fields["advantages"], mb.response_mask, global_tokens=totals.tokens)
 
     stats = engine.train_step(batch, loss_fn, fields=("old_logprobs", "advantages"), mini_batches=2)
     assert modes_in_forward == [0, 0]  # both mini-batches' forwards ran without the device-rewrite mode

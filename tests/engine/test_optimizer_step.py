@@ -32,7 +32,7 @@ def test_optimizer_step_equals_megatrons(tiny_models, world_of_one):
     data.tensors["old_logprobs"] = torch.zeros(6, 4) - 5.0
 
     def loss_fn(out, mb, totals):
-        return policy_loss(out["logprobs"], mb["old_logprobs"], mb["advantages"], mb["response_mask"], global_tokens=totals["tokens"])
+        return policy_loss(out.logprobs, mb.fields["old_logprobs"], mb.fields["advantages"], mb.response_mask, global_tokens=totals.tokens)
 
     weights, norms = [], []
     for reference in (False, True):

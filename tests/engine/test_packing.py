@@ -49,14 +49,14 @@ def test_packed_forward_matches_transformers_per_sequence(family, tiny_models, w
                                 EngineConfig(max_tokens_per_microbatch=24, sequence_packing=packing), trainable=False)
         got = engine.forward_only(batch, entropy=True)
         for key in ("logprobs", "entropy"):
-            torch.testing.assert_close(got[key], expected[key], rtol=0, atol=2e-5, msg=f"{key}, packing={packing}")
+            torch.testing.assert_close(getattr(got, key), expected[key], rtol=0, atol=2e-5, msg=f"{key}, packing={packing}")
 
 
 def test_packed_and_padded_critic_values_agree(tiny_models, world_of_one):
     batch = ragged_batch()
     values = [
         MegatronEngine(str(tiny_models["qwen2"]), world_of_one, EngineConfig(max_tokens_per_microbatch=24, sequence_packing=p),
-                       value_head=True, trainable=False).forward_only(batch)["values"]
+                       value_head=True, trainable=False).forward_only(batch).values
         for p in (True, False)
     ]
     assert values[0].abs().sum() > 0
@@ -91,7 +91,7 @@ def test_length_groups_are_computed_once_per_micro_batch(tiny_models, world_of_o
     got = engine.forward_only(batch, )
     assert len(calls) == 1  # one micro-batch (the budget holds the whole batch), every layer reuses it
     expected = hf_reference(tiny_models["llama"], batch)
-    torch.testing.assert_close(got["logprobs"], expected["logprobs"], rtol=0, atol=2e-5)
+    torch.testing.assert_close(got.logprobs, expected["logprobs"], rtol=0, atol=2e-5)
 
 
 def test_rope_fusion_follows_transformer_engine(world_of_one, monkeypatch):

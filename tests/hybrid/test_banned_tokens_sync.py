@@ -48,8 +48,8 @@ def test_actor_logprobs_equal_hf_engine_logprobs_when_bans_hold_most_of_the_mass
     assert not {t for r in results for t in r.response_token_ids} & set(banned)
     batch, engine_lp, mask = _batch(results, sampling.max_new_tokens)
 
-    actor_lp = actor.forward_only(batch, temperature=temperature, banned_token_ids=banned)["logprobs"]
-    full_lp = actor.forward_only(batch, temperature=temperature)["logprobs"]  # what the actor computed before
+    actor_lp = actor.forward_only(batch, temperature=temperature, banned_token_ids=banned).logprobs
+    full_lp = actor.forward_only(batch, temperature=temperature).logprobs  # what the actor computed before
     on = mask.bool()
     banned_mass = 1.0 - (full_lp[on] - actor_lp[on]).exp()  # log p_allowed = log p_full - log(1 - banned mass)
     assert banned_mass.mean() > 0.5, "the test needs the banned tokens to hold most of the mass"
@@ -67,7 +67,7 @@ def test_entropy_is_over_the_allowed_vocabulary(engines):
     results = hf.generate([RolloutRequest(p, i) for i, p in enumerate(PROMPTS)],
                           SamplingParams(n=1, temperature=1.0, max_new_tokens=4, seed=1, banned_token_ids=banned))
     batch, _, mask = _batch(results, 4)
-    got = actor.forward_only(batch, entropy=True, banned_token_ids=banned)["entropy"]
+    got = actor.forward_only(batch, entropy=True, banned_token_ids=banned).entropy
     # transformers' logits of the same positions, banned columns at -inf
     want = torch.zeros_like(got)
     with torch.no_grad():

@@ -71,8 +71,8 @@ def logprob_diffs(model_dir: str, layout: dict, budget: int) -> dict:
     lp_diff = ent_diff = 0.0
     for i, (seq, p) in enumerate(zip(batch.input_ids, batch.prompt_lens)):
         n = len(seq) - p
-        lp_diff = max(lp_diff, (out["logprobs"][i, :n] - lps[i][p - 1:]).abs().max().item())
-        ent_diff = max(ent_diff, (out["entropy"][i, :n] - ents[i][p - 1:]).abs().max().item())
+        lp_diff = max(lp_diff, (out.logprobs[i, :n] - lps[i][p - 1:]).abs().max().item())
+        ent_diff = max(ent_diff, (out.entropy[i, :n] - ents[i][p - 1:]).abs().max().item())
     dims.destroy()
     return {"logprobs": lp_diff, "entropy": ent_diff}
 

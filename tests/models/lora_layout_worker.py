@@ -41,8 +41,8 @@ def run(model: str, layout: dict) -> dict:
     for step in (0, 1):
         norms += update(engine, dims, step, critic=False).grad_norms
     batch = global_batch(2).select(list(range(dims.dp_rank, 8, dims.dp)))
-    on = engine.forward_only(batch)["logprobs"]
-    off = engine.forward_only(batch, adapters=False)["logprobs"]
+    on = engine.forward_only(batch).logprobs
+    off = engine.forward_only(batch, adapters=False).logprobs
     on_all, off_all = [None] * dims.world_size, [None] * dims.world_size
     dist.all_gather_object(on_all, (dims.dp_rank, on))
     dist.all_gather_object(off_all, (dims.dp_rank, off))

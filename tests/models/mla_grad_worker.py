@@ -72,8 +72,8 @@ def actor_update(model_dir: str, layout: dict) -> tuple[list[float], dict[str, t
     batch = full.select(list(range(dims.dp_rank, len(full.input_ids), dims.dp)))
 
     def loss_fn(out, mb, totals):
-        return policy_loss(out["logprobs"], out["logprobs"].detach(), mb["advantages"], mb["response_mask"],
-                           global_tokens=totals["tokens"])
+        return policy_loss(out.logprobs, out.logprobs.detach(), mb.fields["advantages"], mb.response_mask,
+                           global_tokens=totals.tokens)
 
     stats = engine.train_step(batch, loss_fn, fields=("advantages",), mini_batches=1, num_global=len(full.input_ids))
     changes = {n: t - before[n] for n, t in engine.export_hf()}

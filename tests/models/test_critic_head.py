@@ -15,6 +15,6 @@ def test_fresh_value_head_predicts_about_zero(tiny_models, world_of_one):
     seqs = [torch.randint(0, 301, (12,), generator=g).tolist() for _ in range(16)]
     batch = SequenceBatch(seqs, [6] * 16, list(range(16)), 6, {"response_mask": torch.ones(16, 6)})
     critic = MegatronEngine(str(tiny_models["qwen2"]), world_of_one, EngineConfig(), value_head=True, trainable=False)
-    values = critic.forward_only(batch)["values"]
+    values = critic.forward_only(batch).values
     rms = values.pow(2).mean().sqrt().item()
     assert 0.003 < rms < 0.03, rms

@@ -68,13 +68,13 @@ def forward_and_update(engine, batch, num_global: int, stats_out: list | None = 
     stats_out: a list the step's TrainStats is appended to."""
     from megarl.algorithms import policy_loss
 
-    batch.tensors["old_logprobs"] = engine.forward_only(batch)["logprobs"]
+    batch.tensors["old_logprobs"] = engine.forward_only(batch).logprobs
     gap = [0.0]
 
     def loss_fn(out, mb, totals):
-        mask = mb["response_mask"]
-        gap[0] = max(gap[0], float(((out["logprobs"] - mb["old_logprobs"]).abs() * mask).max()))
-        return policy_loss(out["logprobs"], mb["old_logprobs"], mb["advantages"], mask, global_tokens=totals["tokens"])
+        mask = mb.response_mask
+        gap[0] = max(gap[0], float(((out.logprobs - mb.fields["old_logprobs"]).abs() * mask).max()))
+        return policy_loss(out.logprobs, mb.fields["old_logprobs"], mb.fields["advantages"], mask, global_tokens=totals.tokens)
 
     stats = engine.train_step(batch, loss_fn, fields=("old_logprobs", "advantages"), num_global=num_global)
     if stats_out is not None:

@@ -143,9 +143,9 @@ def test_replay_routes_through_the_recorded_experts_after_the_router_changed(mod
         return sum(set(maps.maps[layer][_token_index(lengths, packing, row, t)].nonzero().flatten().tolist()) != experts
                    for row, t, layer, experts in _recorded_positions(batch))
 
-    own = engine.forward_only(batch_of(requests, results, routes=False))["logprobs"]
+    own = engine.forward_only(batch_of(requests, results, routes=False)).logprobs
     assert disagreements() > 10  # the moved routers choose other experts on their own ...
-    replayed = engine.forward_only(batch)["logprobs"]
+    replayed = engine.forward_only(batch).logprobs
     assert disagreements() == 0  # ... and the recorded ones when replaying
     # The update replays too: its forward gives back the replayed old log-probs (ratio 1), which
     # the router's own choice does not.
@@ -196,7 +196,7 @@ def test_replay_under_tp_pp_and_ep_gives_the_single_process_numbers(models, reco
 
     engine = _engine(models[1], world_of_one, replay=True)
     ref_logprobs, ref_norm, ref_gap = forward_and_update(engine, batch_of(*recorded), num_global=len(recorded[1]))
-    own = engine.forward_only(batch_of(*recorded, routes=False))["logprobs"]
+    own = engine.forward_only(batch_of(*recorded, routes=False)).logprobs
     assert (own - ref_logprobs).abs().max() > 1e-2  # replay matters for these numbers
     out = tmp_path / "layouts.pt"
     torchrun(2, ["tests/moe/replay_worker.py", "--rollout-model", str(models[0]), "--actor-model", str(models[1]),

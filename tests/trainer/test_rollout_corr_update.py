@@ -11,7 +11,8 @@ from conftest import make_model
 from megarl.algorithms import compute_rollout_correction, policy_loss
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.engine import EngineConfig, MegatronEngine, OptimConfig
-from megarl.step.step_record import Correction, LossInputs, ModelOutputs, Scores, StepRecord, Totals, fields_of
+from megarl.engine.batch import LossBatch, ModelOutputs, Totals
+from megarl.step.step_record import Correction, LossInputs, Scores, StepRecord, fields_of
 
 pytestmark = [pytest.mark.slow]  # two Megatron engines with optimizers: 31 s measured on the loaded 2-core box
 
@@ -37,8 +38,8 @@ def _record(batch, old, adv, corr: Correction) -> StepRecord:
                       scores=torch.zeros(len(batch)), token_rewards=mask, advantages=adv, returns=adv, correction=corr)
 
 
-def _loss_fn(out, mb, totals):
-    o, x, t = ModelOutputs.of(out), LossInputs.of(mb), Totals.of(totals)
+def _loss_fn(o: ModelOutputs, mb: LossBatch, t: Totals):
+    x = LossInputs.of(mb)
     loss, metrics = policy_loss(o.logprobs, x.old_logprobs, x.advantages, x.response_mask,
                                 rollout_is_weights=x.rollout_is_weights, global_tokens=t.tokens, global_seqs=t.seqs)
     return loss, {"loss": float(loss.detach()) * t.tokens / max(float(x.response_mask.sum()), 1.0)}

@@ -1,7 +1,7 @@
 """algorithm.rollout_correction in the trainer (megarl/step/rollout_corr.py) on a one-rank layout: the
 mode's weights reach the actor's training batch (megarl.step.step_record.StepRecord.actor_batch), MIS's rejected samples leave the actor's response mask
 (so the loss's totals count only what it trains on), the metrics carry verl's names, and a mode
-that needs untruncated engine log-probs refuses processed ones."""
+that needs the engine.s scaled (untruncated) log-probs refuses processed ones."""
 from __future__ import annotations
 
 import math
@@ -31,8 +31,8 @@ def _batch():
     return batch, old, rollout
 
 
-def _apply(batch, old, rollout, *overrides, raw=True) -> Correction:
-    return rollout_corr.apply(_rc(*overrides), old, rollout, batch.response_mask, raw, GlobalBatch(types.SimpleNamespace(dp=1)))
+def _apply(batch, old, rollout, *overrides, scaled=True) -> Correction:
+    return rollout_corr.apply(_rc(*overrides), old, rollout, batch.response_mask, scaled, GlobalBatch(types.SimpleNamespace(dp=1)))
 
 
 def _actor_batch(batch, old, corr: Correction) -> SequenceBatch:
@@ -77,9 +77,9 @@ def test_none_logs_the_mismatch_without_touching_the_batch():
 
 def test_processed_logprobs_are_refused_by_a_correcting_mode_and_skipped_by_none():
     batch, old, rollout = _batch()
-    assert _apply(batch, old, rollout, raw=False) == Correction()  # no weights, no mask, no metrics
-    with pytest.raises(RuntimeError, match="mode=icepop needs the engine's untruncated log-probs"):
-        _apply(batch, old, rollout, "algorithm.rollout_correction.mode=icepop", raw=False)
+    assert _apply(batch, old, rollout, scaled=False) == Correction()  # no weights, no mask, no metrics
+    with pytest.raises(RuntimeError, match="mode=icepop needs the engine.s scaled log-probs"):
+        _apply(batch, old, rollout, "algorithm.rollout_correction.mode=icepop", scaled=False)
 
 
 def test_empty_bands_are_refused_at_load():

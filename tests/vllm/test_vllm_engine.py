@@ -201,8 +201,8 @@ def test_megatron_actor_logprobs_equal_vllm_logprobs_when_bans_hold_most_of_the_
     batch = SequenceBatch([list(p) + list(r.response_token_ids) for p, r in zip(prompts, results)], [len(p) for p in prompts],
                           list(range(len(results))), mask.shape[1], {"response_mask": mask})
     actor = MegatronEngine(str(model_dir), world_of_one, EngineConfig(), trainable=False)
-    actor_lp = actor.forward_only(batch, temperature=temperature, banned_token_ids=banned)["logprobs"]
-    full_lp = actor.forward_only(batch, temperature=temperature)["logprobs"]
+    actor_lp = actor.forward_only(batch, temperature=temperature, banned_token_ids=banned).logprobs
+    full_lp = actor.forward_only(batch, temperature=temperature).logprobs
     on = padded.mask
     assert (1.0 - (full_lp[on] - actor_lp[on]).exp()).mean() > 0.5  # the banned share of the mass
     assert (actor_lp - padded.logprobs)[on].abs().max() < LOGPROB_ATOL
@@ -226,16 +226,16 @@ def test_scaled_logprobs_equal_the_trainers_under_top_p_and_top_k_and_processed_
     _sync(setup.engine, state)
     sampling = SamplingParams(n=3, temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=8, seed=4, banned_token_ids=(0, 1))
     results = setup.engine.generate(_requests(step=7), sampling)
-    processed, untruncated = pad_results(results), pad_results(results, use_scaled=True)
+    processed, scaled = pad_results(results), pad_results(results, use_scaled=True)
     mask = processed.mask.float()
     prompts = [PROMPTS[r.prompt_index] for r in results]
     batch = SequenceBatch([list(p) + list(r.response_token_ids) for p, r in zip(prompts, results)], [len(p) for p in prompts],
                           list(range(len(results))), mask.shape[1], {"response_mask": mask})
     actor = MegatronEngine(str(model_dir), world_of_one, EngineConfig(), trainable=False)
-    actor_lp = actor.forward_only(batch, temperature=0.7, banned_token_ids=(0, 1))["logprobs"]
+    actor_lp = actor.forward_only(batch, temperature=0.7, banned_token_ids=(0, 1)).logprobs
     on = processed.mask
-    assert (actor_lp - untruncated.logprobs)[on].abs().max() < LOGPROB_ATOL
-    log_kept_mass = (untruncated.logprobs - processed.logprobs)[on]
+    assert (actor_lp - scaled.logprobs)[on].abs().max() < LOGPROB_ATOL
+    log_kept_mass = (scaled.logprobs - processed.logprobs)[on]
     assert (log_kept_mass <= 1e-6).all() and log_kept_mass.mean() < -0.05  # truncation dropped mass at most tokens
     assert (actor_lp - processed.logprobs)[on].abs().max() > 0.05
     # untruncated sampling: the processed log-probs are the untruncated ones, recorded as both
@@ -285,7 +285,7 @@ def test_multi_turn_episode_over_real_vllm_token_ids_and_actor_logprobs(setup, m
     batch = SequenceBatch([PROMPTS[r.prompt_index] + r.response_token_ids for r in results],
                           [len(PROMPTS[r.prompt_index]) for r in results], list(range(len(results))), R, {"response_mask": mask})
     actor = MegatronEngine(str(model_dir), world_of_one, EngineConfig(), trainable=False)
-    actor_lp = actor.forward_only(batch, temperature=0.9)["logprobs"]
+    actor_lp = actor.forward_only(batch, temperature=0.9).logprobs
     on = mask.bool()
     assert on.sum() > 0 and (~on).logical_and(batch.tensors["response_mask"] == 0).sum() > 0
     assert (actor_lp - engine_lp)[on].abs().max() < LOGPROB_ATOL
