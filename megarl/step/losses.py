@@ -22,7 +22,8 @@ def critic_loss(critic_cfg, response_len: int) -> LossFn:
 
     def loss_fn(o: ModelOutputs, mb: LossBatch, t: Totals):
         x = LossInputs.of(mb)
-        loss, metrics = A.value_loss(o.values, x.old_values, x.returns, x.response_mask, critic_cfg.vf_clip,
+        values, old_values, returns = need(o.values, "values"), need(x.old_values, "old_values"), need(x.returns, "returns")
+        loss, metrics = A.value_loss(values, old_values, returns, x.response_mask, critic_cfg.vf_clip,
                                      agg=critic_cfg.loss_agg_mode, **agg_totals(t, critic_cfg.loss_agg_mode, response_len))
         return loss, {**metrics, "critic/vf_loss": local_loss_value(loss, t, x)}
 
@@ -41,32 +42,41 @@ def actor_loss(actor_cfg, distill: Distillation | None, response_len: int) -> Lo
         x = LossInputs.of(mb)
         mask = x.response_mask
         agg = agg_totals(t, agg_mode, response_len)
+        logprobs, old, advantages = need(o.logprobs, "logprobs"), need(x.old_logprobs, "old_logprobs"), need(x.advantages, "advantages")
         if actor_cfg.policy_loss == "gspo":
             # GSPO clips a sequence-level ratio: its own bounds (clip_ratio_low/high, GSPO's 3e-4 / 4e-4
             # when unset); PPO's clip_ratio and dual clip do not apply (validation refuses them)
-            pg_loss, metrics = A.gspo_policy_loss(o.logprobs, x.old_logprobs, x.advantages, mask, agg=agg_mode,
+            pg_loss, metrics = A.gspo_policy_loss(logprobs, old, advantages, mask, agg=agg_mode,
                                                   rollout_is_weights=x.rollout_is_weights, **gspo_clip(actor_cfg), **agg)
         else:
-            pg_loss, metrics = A.policy_loss(o.logprobs, x.old_logprobs, x.advantages, mask,
+            pg_loss, metrics = A.policy_loss(logprobs, old, advantages, mask,
                                              clip_ratio_low=clip_low, clip_ratio_high=clip_high,
                                              clip_ratio_c=actor_cfg.clip_ratio_c, agg=agg_mode,
                                              rollout_is_weights=x.rollout_is_weights, **agg)
         loss = pg_loss
         metrics = {**metrics, "actor/pg_loss": local_loss_value(pg_loss, t, x)}
         if actor_cfg.entropy_coeff > 0:
-            entropy = A.agg_loss(o.entropy, mask, agg_mode, **agg)
+            entropy = A.agg_loss(need(o.entropy, "entropy"), mask, agg_mode, **agg)
             loss = loss - actor_cfg.entropy_coeff * entropy
         if actor_cfg.use_kl_loss:
-            kl = A.agg_loss(A.kl_penalty(o.logprobs, x.ref_logprobs, actor_cfg.kl_loss_type), mask, agg_mode, **agg)
+            kl = A.agg_loss(A.kl_penalty(logprobs, need(x.ref_logprobs, "ref_logprobs"), actor_cfg.kl_loss_type), mask, agg_mode, **agg)
             loss = loss + actor_cfg.kl_loss_coef * kl
             metrics["actor/kl_loss"] = local_loss_value(kl, t, x)
         if distill is not None and distill.in_loss:  # algorithm.distill.mode=loss: the reverse KL to the teacher (megarl.step.distill)
-            rkl = distill.loss(o.logprobs, x.teacher_logprobs, mask, agg_mode, **agg)
+            rkl = need(distill.loss(logprobs, need(x.teacher_logprobs, "teacher_logprobs"), mask, agg_mode, **agg), "distill loss")
             loss = loss + distill.coef * rkl
             metrics["actor/distill_loss"] = local_loss_value(rkl, t, x)
         return loss, metrics
 
     return loss_fn
+
+
+def need(t: torch.Tensor | None, name: str) -> torch.Tensor:
+    """A term the configured loss reads; missing only when the update's batch was built without it
+    (a wiring bug, named here instead of failing inside the math)."""
+    if t is None:
+        raise RuntimeError(f"the loss needs {name}, which this micro-batch or forward does not carry")
+    return t
 
 
 def gspo_clip(actor_cfg) -> dict:
