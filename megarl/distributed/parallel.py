@@ -16,6 +16,9 @@ import torch.distributed as dist
 from megarl.layout import ParallelLayout, rollout_blocks
 
 
+_DEGREES = ("world_size", "tp", "pp", "cp", "ep", "etp", "vpp", "first_stage_layers", "last_stage_layers", "sequence_parallel")
+
+
 @dataclass
 class ParallelDims:
     """Parallel degrees of one training job and their process groups. `dp` is derived: world_size /
@@ -52,13 +55,23 @@ class ParallelDims:
     # --- arithmetic: megarl.layout.ParallelLayout's -------------------------------------------------
     @property
     def layout(self) -> ParallelLayout:
-        """The torch-free layout (degrees, stage layers, rank map) these process groups realise."""
-        return ParallelLayout.for_world(self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, etp=self.etp,
-                                        vpp=self.vpp, first_stage_layers=self.first_stage_layers,
-                                        last_stage_layers=self.last_stage_layers, sequence_parallel=self.sequence_parallel)
+        """The torch-free layout (degrees, stage layers, rank map) these process groups realise: built
+        once from the degrees (they do not change after construction: see __setattr__)."""
+        return self._layout
 
     def validate(self) -> None:
-        _ = self.layout  # ValueError with the arithmetic
+        """ValueError with the layout arithmetic's message; holds the layout it built."""
+        object.__setattr__(self, "_layout", ParallelLayout.for_world(
+            self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, etp=self.etp, vpp=self.vpp,
+            first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers,
+            sequence_parallel=self.sequence_parallel))
+
+    def __setattr__(self, name: str, value) -> None:
+        # The degrees are fixed once the layout is built from them: a changed degree would leave the
+        # process groups and the layout describing another job.
+        if "_layout" in self.__dict__ and name in _DEGREES and value != getattr(self, name):
+            raise AttributeError(f"ParallelDims.{name} is fixed once built (build a new ParallelDims for another layout)")
+        super().__setattr__(name, value)
 
     @property
     def model_parallel_size(self) -> int:

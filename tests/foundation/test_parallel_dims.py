@@ -150,3 +150,16 @@ def test_chunk_layers_are_megatrons(num_layers, pp, vpp, first, last):
         assert layers == range(start, start + get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=rank)), (rank, vp)
     assert sorted(layer for r in mine.values() for layer in r) == list(range(num_layers))
     assert dims.layer_owner(num_layers - 1, num_layers) == (pp - 1, (vpp or 1) - 1)
+
+
+def test_the_layout_is_built_once_and_its_degrees_are_fixed():
+    from megarl.distributed.parallel import ParallelDims
+
+    dims = ParallelDims(world_size=16, tp=2, pp=2, vpp=1)
+    assert dims.layout is dims.layout  # held, not rebuilt per read (dims.dp used to rebuild it)
+    assert (dims.dp, dims.vpp, dims.layout.tp) == (4, None, 2)  # vpp 1 normalised before the layout was built
+    with pytest.raises(AttributeError, match="ParallelDims.tp is fixed once built"):
+        dims.tp = 4
+    dims.tp = 2  # the same value is no change
+    with pytest.raises(ValueError):
+        ParallelDims(world_size=6, tp=4)  # the layout arithmetic's own refusal
