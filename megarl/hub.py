@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+import json
 from pathlib import Path
 from typing import Mapping
 
@@ -100,6 +101,7 @@ def offline() -> bool:
 
 def cached(ref: HubRef, patterns=DOWNLOAD_PATTERNS) -> Snapshot | None:
     """The snapshot of `ref` already in the cache (a branch or tag through refs/), else None; no network."""
+    # deferred: huggingface_hub, needed only to fetch a model by hub id
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -118,6 +120,7 @@ def resolve(ref: HubRef, key: str = "model.path", patterns=DOWNLOAD_PATTERNS) ->
         if snap is None:
             raise HubError(not_cached_message(ref, key))
         return snap
+    # deferred: huggingface_hub, needed only to fetch a model by hub id
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError,
                                         RevisionNotFoundError)
@@ -177,7 +180,7 @@ def resolve_on_each_node(refs: Mapping[str, HubRef]) -> tuple[dict[str, Snapshot
     others wait; then local rank 0 of every other node fetches that same commit (a no-op on a
     shared cache), so a node never downloads twice and every rank reads the same commit, even if a
     branch moves during start-up. Needs LOCAL_RANK (torchrun sets it) to tell nodes apart."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # deferred: torch; the config check imports megarl.hub without it
 
     rank = dist.get_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
@@ -226,8 +229,6 @@ def recorded(snapshots: Mapping[str, Snapshot]) -> dict[str, str]:
 def recorded_ref(run_dir: str | os.PathLike, key: str, value: str) -> str:
     """`value` pinned to the commit the run's last segment resolved it to (`id@commit`), when it is a
     hub id the run recorded: tools that read a run's model (export) then see the files it trained from."""
-    import json
-
     ref = parse_hub_id(value)
     history = sorted((Path(run_dir) / "config_history").glob("step_*.json"))
     if ref is None or not history:

@@ -32,6 +32,18 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import NoReturn
 
+from megarl import hub
+from megarl.async_rollout import placement
+from megarl.capacity import memory_check as memory
+from megarl.checkpointing.checkpoint_io import RunDirLock, RunDirLocked, abandon_newer, remove_leftovers
+from megarl.config import ConfigError, check_inputs, flatten, load_config, save_resolved, validate
+from megarl.config.inputs import check_model_layout, model_refs, with_snapshots
+from megarl.config.resume_changes import ResumeChangeError, check_resume, record_segment
+from megarl.models import base_ref
+from megarl.rewards import RewardError
+from megarl.runtime import heartbeat
+from megarl.tracking import Tracker
+
 
 class Refused(Exception):
     """The run cannot start or go on; one rank has printed why, in one line (exit code 2)."""
@@ -39,8 +51,6 @@ class Refused(Exception):
 
 def check_config(config_path: str | None, overrides: list[str], world_size: int):
     """The config loaded and checked before any process group exists -> (cfg, sizes); Refused on a mistake."""
-    from megarl.config import ConfigError, check_inputs, load_config, validate
-
     first_rank = os.environ.get("RANK", "0") == "0"  # under torchrun every rank checks: one prints
     try:
         cfg = load_config(config_path, overrides)
@@ -48,8 +58,6 @@ def check_config(config_path: str | None, overrides: list[str], world_size: int)
         check_inputs(cfg, overrides)
         # colocated vLLM/SGLang on CUDA: will the engine's budget fit beside the training state from
         # step 2 on? Decides the offloads left null (megarl/capacity/memory_check.py)
-        from megarl.capacity import memory_check as memory
-
         cfg, memory_note = memory.check_colocated_memory(cfg, world_size)
         if memory_note and first_rank:
             print(memory_note, flush=True)
@@ -66,9 +74,11 @@ def check_config(config_path: str | None, overrides: list[str], world_size: int)
 
 def prepare_inputs(cfg, user_files=()) -> None:
     """What the demo needs, created by the caller (rank 0) when missing: the tiny model and the dataset."""
+    # deferred: megarl.data loads pyarrow and numpy, not needed to check a config
     from megarl.data.prepare import prepare_if_missing
 
     if cfg.model.make_tiny.enable and not os.path.isdir(cfg.model.path):
+        # deferred: torch (the tiny model), needed only for the demo model
         from megarl.tools.make_tiny_model import make_tiny_model
 
         options = asdict(cfg.model.make_tiny)
@@ -86,7 +96,7 @@ class Run:
     def __init__(self, cfg, sizes, overrides: list[str], dims, separate=None):
         """dims: the training ranks' layout, None on a rank that only generates; separate: the world
         split of rollout.placement=separate (megarl.async_rollout.placement.WorldGroups), None when colocated."""
-        import torch.distributed as dist
+        import torch.distributed as dist  # deferred: torch; `import megarl.run` stays torch-free
 
         self.cfg, self.sizes, self.overrides, self.dims, self.separate = cfg, sizes, list(overrides), dims, separate
         self.rank = dims.rank if dims is not None else dist.get_rank()
@@ -101,25 +111,23 @@ class Run:
     @classmethod
     def open(cls, config_path: str | None, overrides: list[str]) -> "Run":
         """Config check (before any process group), process groups, lock, demo inputs, hub models."""
-        from megarl.platform import quiet_known_warnings
+        from megarl.platform import quiet_known_warnings  # deferred: torch (megarl.platform imports it)
 
         quiet_known_warnings()
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         cfg, sizes = check_config(config_path, overrides, world_size)
-        import torch.distributed as dist  # only now: a config mistake exits before torch loads
+        import torch.distributed as dist  # deferred: torch; `import megarl.run` stays torch-free
 
         owns_process_group = not dist.is_initialized()
         separate = None
         if cfg.rollout.placement == "separate":  # the last rollout.num_ranks ranks only generate (megarl/async_rollout/placement.py)
-            from megarl.async_rollout import placement
-
             separate = placement.start(cfg, world_size)
             if separate.placement.is_rollout(dist.get_rank()):
                 run = cls(cfg, sizes, overrides, None, separate)  # serve_rollout() is all it does
                 run.owns_process_group = owns_process_group
                 return run
             world_size = separate.placement.train_size
-        from megarl.distributed.parallel import ParallelDims
+        from megarl.distributed.parallel import ParallelDims  # deferred: torch (megarl.distributed imports it)
 
         layout = cfg.parallel
         dims = ParallelDims(world_size=world_size, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, etp=layout.etp,
@@ -140,9 +148,9 @@ class Run:
 
     def serve_rollout(self) -> int:
         """A rollout rank's whole life: serve the trainers until they stop it; the exit code."""
-        import torch.distributed as dist
+        import torch.distributed as dist  # deferred: torch; `import megarl.run` stays torch-free
 
-        from megarl.async_rollout.server import run_rollout_rank
+        from megarl.async_rollout.server import run_rollout_rank  # deferred: torch (the rollout server)
 
         code = run_rollout_rank(self.cfg, self.separate, self.rank)
         if self.owns_process_group:
@@ -151,7 +159,7 @@ class Run:
 
     def _fail(self, problem: str | None) -> None:
         """Every rank learns rank 0's verdict; rank 0 prints it once; Refused on every rank when there is one."""
-        import torch.distributed as dist
+        import torch.distributed as dist  # deferred: torch; `import megarl.run` stays torch-free
 
         verdict = [problem]
         dist.broadcast_object_list(verdict, src=0)
@@ -168,8 +176,6 @@ class Run:
 
     def _lock(self) -> None:
         """One run per run_dir: rank 0 holds the lock until this process ends."""
-        from megarl.checkpointing.checkpoint_io import RunDirLock, RunDirLocked
-
         problem = None
         if self.rank == 0:
             try:
@@ -184,6 +190,7 @@ class Run:
     def _prepare(self) -> None:
         """Rank 0 creates the demo's tiny model and data when missing (a path typed on the command
         line is never generated); the others wait for its verdict."""
+        # deferred: megarl.data loads pyarrow and numpy, not needed to check a config
         from megarl.data.prepare import user_data_files
 
         problem = None
@@ -197,10 +204,6 @@ class Run:
     def _fetch_models(self) -> None:
         """Models named by hub id: fetched once per node (a collective), then the layout check that
         config validation had to skip while model.path's config.json was not yet here."""
-        from megarl import hub
-        from megarl.config import ConfigError, flatten
-        from megarl.config.inputs import check_model_layout, model_refs
-
         problem = None
         if model_refs(self.cfg):
             self.snapshots, problem = hub.resolve_on_each_node(model_refs(self.cfg))
@@ -221,13 +224,8 @@ class Run:
         """The Trainer, resumed from the checkpoint trainer.resume names (auto: the newest complete one)
         after the config-change check; config.yaml and this segment's record written. make_trainer(cfg,
         dims, separate): another stage's trainer (megarl.supervised: SFT, reward model); None = PPO's."""
-        from megarl.checkpointing import checkpoint
-        from megarl import hub
-        from megarl.checkpointing.checkpoint_io import abandon_newer
-        from megarl.config import save_resolved
-        from megarl.config.inputs import with_snapshots
-        from megarl.config.resume_changes import ResumeChangeError, check_resume, record_segment
-        from megarl.trainer import Trainer
+        from megarl.checkpointing import checkpoint  # deferred: torch (megarl.checkpointing.checkpoint imports it)
+        from megarl.trainer import Trainer  # deferred: torch and Megatron (the trainer)
 
         t = self.cfg.trainer
         world_size = self.dims.world_size
@@ -270,8 +268,6 @@ class Run:
     def _changed_lora_base(self, cfg) -> str | None:
         """A LoRA checkpoint holds only adapters: the base it names (path and content hash,
         megarl.models.base_ref) must be the base this run builds, or the refusal."""
-        from megarl.models import base_ref
-
         if self.start is None:
             return None
         critic_key = "critic.model_path" if cfg.critic.model_path else "model.path"
@@ -286,10 +282,10 @@ class Run:
     def _resume_point(self) -> Path | None:
         """trainer.resume: 'auto' -> the newest complete checkpoint (or None), 'never' -> None, else
         that path. Collective under 'auto': rank 0 first clears what a killed save left behind."""
-        import torch.distributed as dist
+        import torch.distributed as dist  # deferred: torch; `import megarl.run` stays torch-free
 
+        # deferred: torch (megarl.checkpointing.checkpoint imports it)
         from megarl.checkpointing.checkpoint import checkpoints_root, latest_checkpoint
-        from megarl.checkpointing.checkpoint_io import remove_leftovers
 
         resume = self.cfg.trainer.resume
         if resume == "never":
@@ -305,9 +301,7 @@ class Run:
     def train(self, trainer) -> None:
         """Trainer.train with rank 0's loggers, the preemption watch and the heartbeat; a run ended by
         a signal raises Preempted (exit 75) after its checkpoint, past this method."""
-        from megarl.step.dynamic_sampling import NotEnoughGroups
-        from megarl.rewards import RewardError
-        from megarl.tracking import Tracker
+        from megarl.step.dynamic_sampling import NotEnoughGroups  # deferred: torch (megarl.step imports it)
 
         problem, tracker = None, None
         try:  # rank 0's loggers: a missing package or a busy metrics port is one line, exit 2, on every rank
@@ -331,8 +325,7 @@ class Run:
     def _watched(self):
         """SIGTERM / SIGUSR1 caught for a stop at a step boundary (megarl/runtime/preemption.py), and this rank's
         heartbeat with its watchdog (megarl/runtime/heartbeat.py), for the duration of the loop."""
-        from megarl.runtime import heartbeat
-        from megarl.runtime.preemption import PreemptionWatch
+        from megarl.runtime.preemption import PreemptionWatch  # deferred: torch (megarl.runtime.preemption imports it)
 
         watch = PreemptionWatch().install()
         beat = heartbeat.start_for_world(self.cfg.trainer.collective_timeout_s, self.rank, self.dims.world_size,
@@ -346,7 +339,7 @@ class Run:
 
     def close(self) -> None:
         """After a finished run: the process groups down (collective), the run-directory lock released."""
-        import torch.distributed as dist
+        import torch.distributed as dist  # deferred: torch; `import megarl.run` stays torch-free
 
         dist.barrier()
         self.dims.destroy()

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.algorithms.functional import masked_mean
+from megarl.models.vocab_parallel import vocab_parallel_full_kl
 
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 KL_KINDS_ALL = KL_KINDS + tuple(kind + "+" for kind in KL_KINDS)
@@ -81,9 +82,6 @@ def full_kl_penalty(
     `megarl.models.vocab_parallel`, banned tokens (rollout.banned_token_ids) included (verl leaves
     this kind unimplemented).
     """
-    # Imported here so megarl.algorithms stays importable without the model stack.
-    from megarl.models.vocab_parallel import vocab_parallel_full_kl
-
     return vocab_parallel_full_kl(logits, ref_logits, tp_group, vocab_start, true_vocab_size, banned_token_ids)
 
 

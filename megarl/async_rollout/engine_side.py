@@ -18,10 +18,14 @@ ranks build their engines, the layout comes back, then every rank builds the pla
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 
 from megarl.async_rollout.wire import recv_object, send_object
+from megarl.distributed.parallel import RolloutGroups
+from megarl.platform import current_platform, process_groups
+from megarl.rollout import build_rollout
 
 
 @contextlib.contextmanager
@@ -29,8 +33,6 @@ def rollout_world(groups, rank: int):
     """On a rollout rank: the rollout ranks' group as the default process group (and RANK, which
     vLLM's external_launcher reads, as this rank's place in it) for the duration (the swap itself:
     megarl.platform.process_groups.default_group)."""
-    from megarl.platform import process_groups
-
     if groups.rollout is None:
         raise ValueError(f"rank {rank} is not a rollout rank")
     with process_groups.default_group(groups.rollout, rank=rank - groups.placement.train_size):
@@ -41,12 +43,6 @@ def build_engine(cfg, groups, rank: int):
     """Every rollout rank, together: its engine (rollout.tp consecutive rollout ranks per instance)
     and the layout it loads, which the first rollout rank sends to the training ranks. Returns the
     megarl.rollout.RolloutSetup, whose `groups.ranks` are global ranks."""
-    import dataclasses
-
-    from megarl.distributed.parallel import RolloutGroups
-    from megarl.platform import current_platform
-    from megarl.rollout import build_rollout
-
     placement, r = groups.placement, cfg.rollout
     recv_object(0, groups.ctrl)  # ("start",): the model directory is ready
     with rollout_world(groups, rank):

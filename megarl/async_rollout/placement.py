@@ -12,6 +12,7 @@ generating thread never share a group (docs/async_rl.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
+import datetime
 
 from megarl.config.placement_rules import training_world
 from megarl.config.schema import Config
@@ -75,9 +76,10 @@ def split_world(placement: Placement) -> WorldGroups:
     run a program on a subset as if it were the world; replacing the default group is the one
     place this relies on c10d internals (megarl.platform.process_groups.set_default_group, checked by
     tests/platform/test_process_groups.py and tests/async_rl)."""
+    # deferred: torch; megarl.run imports this module and stays torch-free
     import torch.distributed as dist
 
-    from megarl.platform import process_groups
+    from megarl.platform import process_groups  # deferred: torch (megarl.platform.process_groups imports it)
 
     world = process_groups.get_default_group()
     if dist.get_world_size() != placement.world_size:
@@ -95,11 +97,10 @@ def split_world(placement: Placement) -> WorldGroups:
 
 def start(cfg: Config, world_size: int) -> WorldGroups:
     """Separate placement's start: torch.distributed over the whole world, then the split."""
-    import datetime
-
+    # deferred: torch; megarl.run imports this module and stays torch-free
     import torch.distributed as dist
 
-    from megarl.platform import init_platform
+    from megarl.platform import init_platform  # deferred: torch (megarl.platform imports it)
 
     platform = init_platform()
     if not dist.is_initialized():

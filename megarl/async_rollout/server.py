@@ -23,9 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.async_rollout.engine_side import build_engine
 from megarl.async_rollout.wire import recv_object, send_object
+from megarl.config.validation import layout_of
+from megarl.data.tokenizer import load_tokenizer
+from megarl.hybrid.engine import HybridEngine
+from megarl.platform import current_platform
 from megarl.runtime import heartbeat
 from megarl.rollout.base import RolloutRequest, SamplingParams
+from megarl.rollout.multi_turn import with_environment
 
 
 @dataclass
@@ -192,11 +198,6 @@ class RolloutServer:
 def make_server(cfg, groups, rank: int, log=print) -> RolloutServer:
     """A rollout rank's engine (built with the other rollout ranks, megarl.async_rollout.engine_side)
     and the shared reshard plan into the layout it loads (a collective with the training ranks)."""
-    from megarl.async_rollout.engine_side import build_engine
-    from megarl.config.validation import layout_of
-    from megarl.hybrid.engine import HybridEngine
-    from megarl.platform import current_platform
-
     placement = groups.placement
     setup = build_engine(cfg, groups, rank)
     hybrid = HybridEngine({}, train=layout_of(cfg.parallel, placement.train_size), rollout=setup.weight_layout,
@@ -205,9 +206,6 @@ def make_server(cfg, groups, rank: int, log=print) -> RolloutServer:
     hybrid.convert = setup.convert
     episodes = None
     if cfg.rollout.multi_turn.environment is not None:  # the episodes run here, beside the engine (megarl.rollout.multi_turn)
-        from megarl.data.tokenizer import load_tokenizer
-        from megarl.rollout.multi_turn import with_environment
-
         episodes = with_environment(setup.engine, cfg.rollout, load_tokenizer(cfg.model.path),
                                     log=log if rank == placement.train_size else None)
     return RolloutServer(setup.engine, hybrid, groups, rank, cfg.async_.partial_rollout, log=log,

@@ -28,6 +28,10 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from megarl.capacity.arch import arch_from_config, load_config
+from megarl.capacity.estimate import Cluster, RunShape, check, engine_state, offloaded_bytes, sync_bytes, weight_sync_delta
+from megarl.capacity.from_config import planner_inputs
+from megarl.capacity.hardware import GPU
 from megarl.config.schema import Config, ConfigError
 
 GIB = 2**30
@@ -43,7 +47,7 @@ OFFLOAD_STAGES = (4, 7)  # first the gradient and optimizer offloads, then also 
 
 def cuda_total_bytes() -> int | None:
     """Total memory of this process's CUDA device (LOCAL_RANK), or None where CUDA is not in use."""
-    import torch
+    import torch  # deferred: torch; megarl.run and the planner import this module without it
 
     if not torch.cuda.is_available():
         return None
@@ -86,11 +90,6 @@ def _offload_flags(cfg: Config, role: str) -> tuple[bool, bool, bool]:
 def estimate(cfg: Config, world_size: int, device_bytes: float) -> ColocatedMemory | None:
     """The estimate for `cfg` as its offloads stand (null = off); None when the planner does not
     know the model (no config.json yet, or a family it does not read)."""
-    from megarl.capacity.arch import arch_from_config, load_config
-    from megarl.capacity.estimate import Cluster, RunShape, check, engine_state, offloaded_bytes, sync_bytes, weight_sync_delta
-    from megarl.capacity.from_config import planner_inputs
-    from megarl.capacity.hardware import GPU
-
     _, lay, _ = planner_inputs(cfg)  # the planner's layout of this config, as `megarl.tools.plan` reads it
     run = RunShape(dtype=cfg.model.dtype, gpu_memory_fraction=cfg.rollout.gpu_memory_utilization, weight_sync=cfg.rollout.weight_sync.mode)
     archs = {}

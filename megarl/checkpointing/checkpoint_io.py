@@ -20,7 +20,9 @@ import secrets
 import shutil
 import time
 from contextlib import contextmanager
+import fcntl
 from pathlib import Path
+import socket
 from typing import Callable, Iterator
 
 COMPLETE = "COMPLETE"
@@ -187,9 +189,6 @@ class RunDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> "RunDirLock":
-        import fcntl
-        import socket
-
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:

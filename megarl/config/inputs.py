@@ -7,14 +7,16 @@ built, so a user sees one line naming the problem instead of a traceback.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 
 from megarl.checkpointing import checkpoint_io
 
 from megarl import hub
 from megarl.config.schema import Config, ConfigError
-from megarl.layout import ParallelLayout
-from megarl.models.families import LARGE_MOE_FAMILIES, MOE_FAMILIES
+from megarl.layout import ModelShape, ParallelLayout, check_model, check_rollout_heads, refuse_moe_tensor_parallel
+from megarl.models.families import LARGE_MOE_FAMILIES, MOE_FAMILIES, load_spec
+from megarl.models.lora_targets import check_targets
 
 
 def check_inputs(cfg: Config, overrides=()) -> None:
@@ -86,10 +88,6 @@ def check_model_layout(cfg: Config, model_dirs: dict[str, str] | None = None) ->
     (reward.model_path, forward only) and a distillation teacher (algorithm.distill.teacher_path,
     forward only; its vocabulary must be the student's) are checked the same way. `model_dirs`: {config key: local
     directory} of models named by hub id and resolved since (the launcher checks again with them)."""
-    from megarl.layout import ModelShape, check_model, check_rollout_heads, refuse_moe_tensor_parallel
-    from megarl.models.families import load_spec
-    from megarl.models.lora_targets import check_targets
-
     resolved = dict(model_dirs or {})
 
     def local_dir(key: str, path: str) -> str | None:
@@ -160,6 +158,7 @@ TINY_MOE_ARCHS = MOE_FAMILIES + LARGE_MOE_FAMILIES
 def check_data_files(cfg: Config, overrides=()) -> None:
     """Missing data files are an error, except the config file's own paths under data.auto_prepare
     (written at start-up); a path typed on the command line is never generated (issue 11)."""
+    # deferred: megarl.data loads pyarrow and numpy, which a config check without data files does not need
     from megarl.data.dataset import data_file_problem
     from megarl.data.prepare import user_data_files
 
@@ -179,8 +178,6 @@ def check_data_files(cfg: Config, overrides=()) -> None:
 
 def check_rollout_engine(cfg: Config) -> None:
     """rollout.engine=vllm / sglang needs that package here (the hf engine is always there)."""
-    import importlib.util
-
     engine = cfg.rollout.engine
     if engine == "hf":
         return
@@ -197,8 +194,6 @@ MONITOR_PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wa
 
 def check_monitor_packages(cfg: Config) -> None:
     """The packages of the chosen loggers and of the metrics endpoint are installed."""
-    import importlib.util
-
     wanted = [name for name in cfg.tracking.active_loggers() if name in MONITOR_PACKAGES]
     if cfg.tracking.prometheus_port is not None:
         wanted.append("prometheus")

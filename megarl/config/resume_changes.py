@@ -13,6 +13,9 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
+from megarl.config.loader import flatten
+from megarl.config.schema import Config
+
 HISTORY_DIR = "config_history"
 WORLD_SIZE_KEY = "launch.world_size"  # not a config key: the process count, recorded with each segment
 
@@ -79,9 +82,6 @@ def record_segment(run_dir: str | Path, flat: Mapping[str, Any], resolved_yaml: 
 
 
 def _schema_defaults() -> dict[str, Any]:
-    from megarl.config.loader import flatten
-    from megarl.config.schema import Config
-
     return flatten(Config())
 
 

@@ -11,6 +11,8 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
+from megarl.config.placement_rules import check_placement
+from megarl.config.placement_rules import training_world
 from megarl.config.schema import ADV_ESTIMATORS_WITH_GROUPS, ActorConfig, Config, ConfigError, ParallelConfig, convert, hints, yaml_key
 from megarl.layout import ParallelLayout, check_degrees, check_rollout
 
@@ -91,7 +93,6 @@ def validate(cfg: Config, world_size: int | None = None) -> BatchSizes | None:
                           f"{cfg.rollout.max_new_tokens}: the buffer is the last part of the response length limit")
     _check_unworkable(cfg)
     _check_monitoring(cfg)
-    from megarl.config.placement_rules import check_placement
 
     check_placement(cfg)
     _check_lora(cfg)
@@ -106,7 +107,6 @@ def validate(cfg: Config, world_size: int | None = None) -> BatchSizes | None:
         raise ConfigError(str(err)) from None
     if world_size is None:
         return None
-    from megarl.config.placement_rules import training_world
 
     return _check_layout(cfg, training_world(cfg, world_size))
 

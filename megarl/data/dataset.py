@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
+import os
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -52,8 +53,6 @@ def encode_prompt(tokenizer: Tokenizer, text: str, apply_chat_template: bool = F
 def data_file_problem(path: str) -> str | None:
     """Why `path` cannot be a data file (missing, a directory, unreadable), or None if it may be;
     phrased to follow "data file ..." (`data file not found: x.parquet`)."""
-    import os
-
     if os.path.isdir(path):
         return f"{path} is a directory, not a Parquet file (list the .parquet files inside it)"
     if not os.path.exists(path):

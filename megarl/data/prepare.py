@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+import random
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -219,8 +220,6 @@ def wrong_answer(truth: str, index: int) -> str:
     """A wrong answer to an arithmetic row, of one of five kinds chosen by the row: one digit changed,
     the last digit dropped, one digit too many, two digits swapped (or changed when equal), random digits.
     The kinds are the mistakes a policy makes on the way to the task (docs/sft_rm.md)."""
-    import random
-
     rng = random.Random(f"wrong:{index}")
     digits = "0123456789"
     kind = index % 5

@@ -13,6 +13,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.
 
 def load_tokenizer(model_dir: str, key: str = "model.path", **kwargs):
     """AutoTokenizer.from_pretrained(model_dir), or a ValueError naming the missing files."""
+    # deferred: transformers (seconds to import); megarl.data is read by the config check without it
     from transformers import AutoTokenizer
 
     directory = Path(model_dir)

@@ -9,11 +9,13 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
+import socket
 
 import torch
 import torch.distributed as dist
 
 from megarl.layout import ParallelLayout, rollout_blocks
+from megarl.platform import current_platform, fake_world, init_platform
 
 
 _DEGREES = ("world_size", "tp", "pp", "cp", "ep", "etp", "vpp", "first_stage_layers", "last_stage_layers", "sequence_parallel")
@@ -108,9 +110,8 @@ class ParallelDims:
     # --- process groups --------------------------------------------------------------------------
     def initialize(self, backend: str | None = None, timeout_minutes: int = 30, seed: int = 1234) -> "ParallelDims":
         """Start torch.distributed (if needed), build Megatron's process groups and RNG states."""
+        # deferred: megatron (seconds to import) loads only when this runs
         from megatron.core import parallel_state, tensor_parallel
-
-        from megarl.platform import fake_world, init_platform
 
         platform = init_platform()
         backend = backend or platform.backend
@@ -151,7 +152,7 @@ class ParallelDims:
     def _state(self):
         if not self._initialized:
             raise RuntimeError("ParallelDims.initialize() must be called before asking for groups")
-        from megatron.core import parallel_state
+        from megatron.core import parallel_state  # deferred: megatron (seconds to import) loads only when this runs
 
         return parallel_state
 
@@ -258,7 +259,7 @@ class ParallelDims:
         return cache[tp]
 
     def destroy(self) -> None:
-        from megatron.core import parallel_state
+        from megatron.core import parallel_state  # deferred: megatron (seconds to import) loads only when this runs
 
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
@@ -288,8 +289,6 @@ class RolloutGroups:
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -311,8 +310,6 @@ def dims_from_env(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, etp: int |
 
 
 def _comm_device() -> torch.device:
-    from megarl.platform import current_platform
-
     return current_platform().device
 
 

@@ -32,7 +32,7 @@ def adapter_state(engine, model_state: dict) -> dict:
 
 def _split_factors(engine) -> dict[int, tuple[int, int, int]]:
     """id(parameter) -> (axis, tp rank, tp size) of every adapter factor split over its layer's TP group."""
-    from megarl.models import lora
+    from megarl.models import lora  # deferred: torch (megarl.models.lora imports it); this module is imported without torch
 
     split = {}
     for _, _, adapter in lora.adapters(engine.chunks):
@@ -46,7 +46,7 @@ def _split_factors(engine) -> dict[int, tuple[int, int, int]]:
 
 def describe_tp_splits(engine, state: dict) -> dict:
     """The TP-split adapter factors re-described as shards of their global tensor (others unchanged)."""
-    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing import ShardedTensor  # deferred: megatron (seconds to import) loads only when this runs
 
     split = _split_factors(engine)
     out = {}

@@ -12,13 +12,17 @@ import os
 import random
 import time
 from contextlib import contextmanager
+import io
+import pickle
+import queue
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from megarl.platform.safe_load import UnsafeCheckpointError, check_dcp_metadata, load_plain
 from megarl.engine import adapter_checkpoint
-from megarl.platform import mcore_version
+from megarl.platform import mcore_version, process_groups
 
 # The distributed optimizer's one format that reshards across TP, PP *and* DP in Megatron-Core 0.16
 # (its "fully_sharded_model_space" default uses flattened ranges, which dist_checkpointing now
@@ -85,7 +89,7 @@ def _sharded_state_dict(engine, is_loading: bool) -> dict:
 
 def save_engine(engine, path: str) -> float:
     """Collective: every rank writes its shards into `path` (a directory all ranks see)."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # deferred: megatron (seconds to import) loads only when this runs
 
     start = time.perf_counter()
     os.makedirs(path, exist_ok=True)
@@ -126,8 +130,7 @@ def _results_queue_without_a_server() -> None:
     merged result here and reads it back in this same process): a plain in-process queue (no
     server, no tracker) carries them. Set once, before the first save would create the manager.
     """
-    import queue
-
+    # deferred: megatron (seconds to import) loads only when this runs
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if filesystem_async._results_queue is None:
@@ -136,7 +139,8 @@ def _results_queue_without_a_server() -> None:
 
 def load_engine(engine, path: str) -> None:
     """Collective: fill the engine (any layout) from a checkpoint written by `save_engine`."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # deferred: megatron (seconds to import) loads only when this runs
+    # deferred: torch.distributed.checkpoint (a second to import: sympy) loads only when this runs
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     mcore_version.require_readable_checkpoint(path)
@@ -182,11 +186,6 @@ def _plain_bytes_only(path: str):
     the optimizer's param groups) with torch.load(weights_only=False), so a planted payload would
     run. While Megatron loads, that loader is replaced by one with weights_only=True (the
     replacement itself: megarl.platform.process_groups.dcp_load_bytes)."""
-    import io
-    import pickle
-
-    from megarl.platform import process_groups
-
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         try:
             obj = torch.load(value, weights_only=True)
@@ -258,8 +257,7 @@ def _rng_file(path: str, rank: int) -> str:
 
 
 def rng_state(dims) -> dict:
-    import numpy as np
-    from megatron.core import tensor_parallel
+    from megatron.core import tensor_parallel  # deferred: megatron (seconds to import) loads only when this runs
 
     state = {
         "layout": _layout(dims),
@@ -280,16 +278,13 @@ def _numpy_state_as_plain(state: tuple) -> tuple:
 
 
 def _numpy_state_from_plain(state: tuple) -> tuple:
-    import numpy as np
-
     name, keys, pos, has_gauss, cached = state
     return (name, keys.numpy().astype(np.uint32), pos, has_gauss, cached)
 
 
 def restore_rng_state(state: dict, dims) -> bool:
     """Restore the states saved by `rng_state` if they come from this layout; returns whether it did."""
-    import numpy as np
-    from megatron.core import tensor_parallel
+    from megatron.core import tensor_parallel  # deferred: megatron (seconds to import) loads only when this runs
 
     if state.get("layout") != _layout(dims):
         return False

@@ -31,8 +31,10 @@ import math
 import torch
 import torch.distributed as dist
 
+from megarl.distributed.parallel import all_gather_host
 from megarl.models.context_parallel import cp_index
 from megarl.models.moe_routing import ROUTES, sequence_parallel_shard
+from megarl.models.vocab_parallel import _AllReduceSumReplicatedOutput
 
 
 def padded_length(n: int, cp: int) -> int:
@@ -74,7 +76,6 @@ def check_same_batches(micro_batches: list[dict], group) -> None:
     flat = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
     weights = torch.arange(1, len(flat) + 1, dtype=torch.long) % 1000003
     mine = torch.tensor([len(flat), int((flat * weights).sum()), len(micro_batches)], dtype=torch.long)
-    from megarl.distributed.parallel import all_gather_host
 
     seen = all_gather_host(mine, group, dist.get_world_size(group))
     if any(not torch.equal(s, mine) for s in seen):
@@ -93,7 +94,5 @@ def select(mb: dict, pos: torch.Tensor):
 
 def spread(values: torch.Tensor, owned: torch.Tensor, group) -> torch.Tensor:
     """[n] values of the owned positions -> [rows, R] on every CP rank (sum over CP, identity backward)."""
-    from megarl.models.vocab_parallel import _AllReduceSumReplicatedOutput
-
     full = values.new_zeros(owned.shape).index_put(owned.nonzero(as_tuple=True), values)
     return _AllReduceSumReplicatedOutput.apply(full, group)

@@ -87,7 +87,9 @@ def fused_adam_on_cpu(optimizer) -> None:
 def wrap_for_training(chunks: list, cfg: EngineConfig) -> tuple[list, object]:
     """Megatron's DDP around each model chunk and the distributed optimizer over them: what a
     trainable engine trains with (the dry run, megarl.tools.dryrun, builds the same on the meta device)."""
+    # deferred: megatron (seconds to import) loads only when this runs
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    # deferred: megatron (seconds to import) loads only when this runs
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     solo_groups.install()  # no collective over a group of one (DDP buffers, optimizer, grad norm)
@@ -171,6 +173,7 @@ class MegatronEngine:
 
     # --- setup -------------------------------------------------------------------------------------
     def _wrap_for_training(self) -> None:
+        # deferred: megatron (seconds to import) loads only when this runs
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         if self.device.type == "cpu":  # each step's activations reuse freed memory: no fresh pages to fault in
@@ -360,6 +363,7 @@ class MegatronEngine:
         entropy: the loss's outputs carry the entropy too. The MoE auxiliary loss of the step's
         forwards is in the returned stats (collective over PP and DP when it is on).
         """
+        # deferred: megatron (seconds to import) loads only when this runs
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         if not self.trainable:
@@ -450,6 +454,7 @@ class MegatronEngine:
 
     def _clip_to(self, total_norm) -> None:
         """Scale the main grads to max_grad_norm given their global norm, as optimizer.step() does."""
+        # deferred: megatron (seconds to import) loads only when this runs
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
         for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):

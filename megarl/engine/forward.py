@@ -68,6 +68,7 @@ def schedule_inputs(model, micro_batches: list[dict], dims: ParallelDims) -> tup
 def pipeline_forward(model, dims: ParallelDims, micro_batches: list[dict], compute: ComputeFn) -> list[dict[str, torch.Tensor]]:
     """Forward-only over all micro-batches; returns compute()'s outputs on *every* pipeline stage.
     `model` is this rank's model or its list of chunks (virtual pipeline stages)."""
+    # deferred: megatron (seconds to import) loads only when this runs
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not micro_batches:

@@ -139,6 +139,7 @@ def _padded(seqs: list[list[int]], width: int, device) -> tuple[dict, torch.Tens
 
 def _packed(seqs: list[list[int]], width: int, device, seq_multiple: int = 1) -> tuple[dict, torch.Tensor]:
     """As `_padded`, for one packed row; each sequence's segment padded at its end to `seq_multiple`."""
+    # deferred: megatron (seconds to import) loads only when this runs
     from megatron.core.packed_seq_params import PackedSeqParams
 
     if seq_multiple > 1:  # context parallelism: pads inside the segment, after its real tokens

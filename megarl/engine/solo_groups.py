@@ -64,6 +64,7 @@ def install() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
+    # deferred: megatron (seconds to import) loads only when this runs
     from megatron.core.distributed import param_and_grad_buffer as buffers
 
     process_groups.install_all_reduce(_solo_all_reduce)
@@ -79,6 +80,7 @@ def uninstall() -> None:
     global _INSTALLED
     if not _INSTALLED:
         return
+    # deferred: megatron (seconds to import) loads only when this runs
     from megatron.core.distributed import param_and_grad_buffer as buffers
 
     process_groups.uninstall_all_reduce()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from megarl.hybrid.engine import SyncStats, release_cached_device_memory, streamed_shards
 from megarl.models import lora
 
 
@@ -32,13 +33,9 @@ class AdapterSync:
 
     def base_shards(self):
         """The actor's frozen base weights, unmerged (the engine adds the adapters itself)."""
-        from megarl.hybrid.engine import streamed_shards
-
         return streamed_shards(self.actor.base_weight_shards(), self.actor.spec.tie_embeddings)
 
     def hand_over(self, hybrid, engine, offload):
-        from megarl.hybrid.engine import SyncStats, release_cached_device_memory
-
         start = time.perf_counter()
         base = None
         # vLLM's sleep level 2 (GPU) drops the weights at release_memory: the base goes again then

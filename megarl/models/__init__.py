@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megarl.models.families import load_spec
+
 
 def load_model(model_dir: str | Path, dims, dtype: str = "float32", critic: bool = False, recompute: str = "none",
                routing=None):
@@ -23,8 +25,9 @@ def load_model_chunks(model_dir: str | Path, dims, dtype: str = "float32", criti
     """This rank's model chunks (one per virtual pipeline stage, in schedule order; one without
     interleaving), filled from the HF checkpoint. Returns (chunks, spec). meta=True: on the meta
     device from config.json alone, nothing loaded (the dry run, megarl.tools.dryrun)."""
+    # deferred: torch (megarl.models.builder, moe_routing and weights import it); the config check imports
+    # megarl.models (the families) without it
     from megarl.models.builder import build_gpt_model, build_transformer_config, parse_dtype
-    from megarl.models.families import load_spec
     from megarl.models.moe_routing import check_routing_options, prepare
     from megarl.models.weights import load_hf_weights
 
@@ -39,7 +42,7 @@ def load_model_chunks(model_dir: str | Path, dims, dtype: str = "float32", criti
     for chunk in chunks:
         prepare(chunk, routing)
     if critic:
-        from megarl.models.critic import attach_value_head
+        from megarl.models.critic import attach_value_head  # deferred: torch, as above
 
         for chunk in chunks:
             attach_value_head(chunk, spec, model_dir)

@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import math
 
+from megatron.core import parallel_state
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
+
+from megarl.models.context_parallel import cp_attention
+from megarl.models.packed_attention import attend_packed
 
 
 class SDPACoreAttention(MegatronModule):
@@ -39,8 +43,6 @@ class SDPACoreAttention(MegatronModule):
         if pg_collection is not None:
             tp = pg_collection.tp.size()
         else:
-            from megatron.core import parallel_state
-
             tp = parallel_state.get_tensor_model_parallel_world_size()
         if config.num_attention_heads % tp or config.num_query_groups % tp:
             raise ValueError(f"{config.num_attention_heads} heads / {config.num_query_groups} groups do not split over tp={tp}")
@@ -60,8 +62,6 @@ class SDPACoreAttention(MegatronModule):
             if pg_collection is not None:
                 self.cp_group = pg_collection.cp
             else:
-                from megatron.core import parallel_state
-
                 self.cp_group = parallel_state.get_context_parallel_group()
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
@@ -71,12 +71,9 @@ class SDPACoreAttention(MegatronModule):
         if self.cp > 1:
             if packed_seq_params is None or attention_mask is not None or "causal" not in mask_type.name:
                 raise ValueError("context parallelism runs on packed (thd) causal micro-batches only: model.sequence_packing=true")
-            from megarl.models.context_parallel import cp_attention
 
             return cp_attention(query, key, value, packed_seq_params, self.cp_group, self.heads, self.groups, self.softmax_scale)
         if packed_seq_params is not None:
-            from megarl.models.packed_attention import attend_packed
-
             if attention_mask is not None:
                 raise ValueError("packed (thd) sequences take their boundaries from cu_seqlens, not an attention mask")
             # Each length group is a right-padded batch; causal attention keeps the pads out.

@@ -6,6 +6,7 @@ Weight conversion (`megarl.models.convert`) understands both naming schemes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +16,7 @@ from megarl.models.families import ModelSpec
 from megarl.models.moe_routing import RouterOptions, router_config, use_hf_group_limited_topk
 from megarl.models.sequence_parallel import SequenceParallelNorm, local_norms, mla_sequence_sharded_kv
 from megarl.distributed.parallel import ParallelDims
-from megarl.platform import current_platform
+from megarl.platform import cpu_compat, current_platform
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -25,6 +26,7 @@ def have_transformer_engine() -> bool:
     even when its torch extension is missing or built for another torch (an engine's torch pin
     replaced the image's): the layers then fail at first use, so probe `transformer_engine.pytorch`."""
     try:
+        # deferred: optional (transformer_engine)
         import transformer_engine.pytorch  # noqa: F401
     except Exception:  # ImportError, or OSError/RuntimeError from a broken extension
         return False
@@ -53,9 +55,7 @@ def parse_dtype(name: str) -> torch.dtype:
 def build_transformer_config(spec: ModelSpec, dims: ParallelDims, dtype: torch.dtype = torch.float32, recompute: str = "none",
                              routing: RouterOptions | None = None):
     """The TransformerConfig that makes Megatron compute what `transformers` computes for `spec`."""
-    from megatron.core.transformer import TransformerConfig
-
-    from megarl.platform import cpu_compat
+    from megatron.core.transformer import TransformerConfig  # deferred: megatron (seconds to import) loads only when this runs
 
     check_model(ModelShape.of_spec(spec), dims.layout)  # heads, widths, stages, experts: megarl.layout's rules
     platform = current_platform()
@@ -79,6 +79,7 @@ def build_transformer_config(spec: ModelSpec, dims: ParallelDims, dtype: torch.d
         )
     config_class, attention = TransformerConfig, {}
     if spec.mla is not None:
+        # deferred: megatron (seconds to import) loads only when this runs
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
         config_class, attention = MLATransformerConfig, _mla_config(spec)
@@ -189,12 +190,13 @@ def _mla_config(spec: ModelSpec) -> dict:
 
 
 def layer_spec(spec: ModelSpec, use_te: bool | None = None):
+    # deferred: megatron (seconds to import) loads only when this runs
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    from megarl.models.attention import SDPACoreAttention
+    from megarl.models.attention import SDPACoreAttention  # deferred: megatron (megarl.models.attention imports it)
 
     if use_te is None:
         use_te = uses_transformer_engine()
@@ -206,8 +208,6 @@ def layer_spec(spec: ModelSpec, use_te: bool | None = None):
                                                         multi_latent_attention=mla)
         return _mla_te_down_projections(te) if mla else te
     if mla:
-        from megarl.platform import cpu_compat
-
         cpu_compat.mla_without_transformer_engine()  # seam 10
     local = get_gpt_layer_local_spec(num_experts=spec.num_experts, qk_layernorm=qk_layernorm, normalization="RMSNorm",
                                      multi_latent_attention=mla)
@@ -224,6 +224,7 @@ def _mla_te_down_projections(te_spec):
     the local spec splits their rows over TP and gathers the output. Use TE's column-parallel
     linear (a choice MLASelfAttention accepts) so both specs hold the same shards and one weight
     mapping serves both."""
+    # deferred: megatron (seconds to import) loads only when this runs
     from megatron.core.extensions.transformer_engine import TEColumnParallelLinear
 
     attention = te_spec.submodules.self_attention.submodules
@@ -237,13 +238,13 @@ def decoder_spec(spec: ModelSpec, config, vp_stage: int | None = None, use_te: b
     first layers, then MoE layers, or all alike) and its final norm. Without Transformer-Engine the
     final norm is megarl's `SequenceParallelNorm`: the one TransformerBlock gives a bare layer spec,
     Megatron's WrappedTorchNorm, refuses sequence parallelism."""
-    import dataclasses
-
+    # deferred: megatron (seconds to import) loads only when this runs
     from megatron.core.transformer.transformer_block import (
         LayerNormImpl,
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
+    # deferred: megatron (seconds to import) loads only when this runs
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     if use_te is None:
@@ -255,7 +256,7 @@ def decoder_spec(spec: ModelSpec, config, vp_stage: int | None = None, use_te: b
     # The slicing of Megatron's get_gpt_decoder_block_spec (which cannot take our core attention).
     layout = getattr(config, "pipeline_model_parallel_layout", None)
     if layout is not None:
-        from megatron.core.transformer.enums import LayerType
+        from megatron.core.transformer.enums import LayerType  # deferred: megatron (seconds to import) loads only when this runs
 
         ids = layout.get_layer_id_list(layer_type=LayerType.decoder, vp_stage=vp_stage)
     else:
@@ -273,7 +274,7 @@ def build_gpt_model(spec: ModelSpec, dims: ParallelDims, config=None, dtype: tor
     because `megarl.models.critic` replaces it by a scalar head. meta=True builds it on the meta
     device (shapes, no storage: the dry run, megarl.tools.dryrun).
     """
-    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt import GPTModel  # deferred: megatron (seconds to import) loads only when this runs
 
     config = config or build_transformer_config(spec, dims, dtype, recompute, routing)
     # With virtual stages the embedding lives in the first chunk of the first stage, the head in
@@ -307,6 +308,7 @@ def _mla_latent_norms_at_build(config):
 
 
 def _gpt_model(GPTModel, spec, dims, config, vp_stage, value_head, first_chunk, last_chunk):
+    # deferred: megatron (seconds to import) loads only when this runs
     from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_stage
 
     pp_group = dims.pp_group

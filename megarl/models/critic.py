@@ -49,6 +49,7 @@ class ValueHead(torch.nn.Module):
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         if self.sequence_parallel:
+            # deferred: megatron (seconds to import) loads only when this runs
             from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
             # [s/tp, b, h] -> [s, b, h]; backward: this rank's slice (module docstring)

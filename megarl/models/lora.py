@@ -34,14 +34,19 @@ import contextlib
 import math
 import zlib
 from dataclasses import dataclass
+import json
+from pathlib import Path
+import re
 from typing import Iterator
 
+from safetensors.torch import save_file
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from megarl.models.lora_peft import moe_layout, peft_tensors
 from megarl.models.lora_targets import ATTENTION_PROJECTIONS, check_targets, known_modules
+from megarl.models.weights import _layer_offset, global_name, model_chunks, named_global_parameters
 
 @dataclass(frozen=True)
 class LoraOptions:
@@ -81,6 +86,7 @@ def _projections(module_name: str, spec) -> tuple[tuple[str, ...], str] | None:
 
 def _kind(module) -> str:
     """'column' or 'row' from Megatron's (or Transformer-Engine's) parallel linear classes."""
+    # deferred: megatron (seconds to import) loads only when this runs
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     if isinstance(module, ColumnParallelLinear):
@@ -134,6 +140,7 @@ class LoraAdapter(torch.nn.Module):
     def _tag(self, part, weight) -> None:
         """Megatron's attributes: which factor is TP-split, which are expert parameters (reduced over
         the expert-DP group), and which copies the gradient norm counts once."""
+        # deferred: megatron (seconds to import) loads only when this runs
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         sharded, replicated = (part.lora_B, part.lora_A) if self.kind == "column" else (part.lora_A, part.lora_B)
@@ -181,6 +188,7 @@ class LoraAdapter(torch.nn.Module):
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """The adapters' contribution to the layer's output (same sharding as the output)."""
+        # deferred: megatron (seconds to import) loads only when this runs
         from megatron.core.tensor_parallel.mappings import (
             copy_to_tensor_model_parallel_region,
             gather_from_sequence_parallel_region,
@@ -267,8 +275,6 @@ def _sizes(linear, names: tuple[str, ...], spec, kind: str, tp_size: int) -> tup
 
 def attach(chunk: torch.nn.Module, spec, options: LoraOptions, layer_offset: int, expert_offset: int) -> int:
     """Add adapters to every targeted linear of one model chunk (before DDP); returns how many."""
-    from megarl.models.weights import global_name
-
     targets = set(options.target_modules or known_modules(spec))
     count = 0
     for name, module in list(chunk.named_modules()):
@@ -295,8 +301,6 @@ def attach(chunk: torch.nn.Module, spec, options: LoraOptions, layer_offset: int
 
 def apply(chunks: list, spec, dims, options: LoraOptions) -> int:
     """Adapters on every chunk of this rank (global layer and expert numbering), base frozen."""
-    from megarl.models.weights import _layer_offset
-
     check_targets(options.target_modules, spec, options.key)
     experts_per_rank = spec.num_experts // dims.ep if spec.is_moe else 0
     count = 0
@@ -317,8 +321,6 @@ def freeze_base(chunk: torch.nn.Module) -> None:
 
 def adapters(chunks) -> Iterator[tuple[str, torch.nn.Module, LoraAdapter]]:
     """(module name, linear, adapter) of every adapted linear in `chunks` (unwrapped)."""
-    from megarl.models.weights import model_chunks
-
     for chunk in model_chunks(chunks):
         for name, module in chunk.named_modules():
             if isinstance(getattr(module, "lora", None), LoraAdapter):
@@ -347,8 +349,6 @@ def merged_weight(module) -> torch.Tensor:
 def merged_weights(chunks, spec, dims) -> dict[str, torch.Tensor]:
     """Global name -> this rank's merged shard of every adapted weight (the full-weight sync and the
     merged export; engines without LoRA support get these)."""
-    from megarl.models.weights import named_global_parameters
-
     names = {id(p): name for name, _, p in named_global_parameters(chunks, spec, dims)}
     with torch.no_grad():
         return {names[id(module.weight)]: merged_weight(module) for _, module, _ in adapters(chunks)}
@@ -365,8 +365,6 @@ def merged_shards(chunks, spec, dims, shards: dict) -> dict:
 def hf_module_name(module_name: str, projection: str, spec) -> str:
     """The HF (and PEFT) module of one projection of a Megatron linear, by global module name:
     decoder.layers.3.self_attention.linear_qkv + k_proj -> model.layers.3.self_attn.k_proj."""
-    import re
-
     layer = int(re.match(r"decoder\.layers\.(\d+)\.", module_name).group(1))
     prefix = f"model.layers.{layer}."
     if ".self_attention." in module_name:
@@ -382,8 +380,6 @@ def hf_module_name(module_name: str, projection: str, spec) -> str:
 def full_adapters(chunks, spec, dims) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """HF module name -> (A [rank, in], B [out, rank]) of the whole model, on every rank (collective):
     each rank's shards are gathered and the TP-split factor concatenated (small: rank x width)."""
-    from megarl.models.weights import _layer_offset, global_name, model_chunks
-
     experts_per_rank = spec.num_experts // dims.ep if spec.is_moe else 0
     local = []
     for chunk in model_chunks(chunks):
@@ -434,7 +430,7 @@ def moe_mlp_adapters(adapters, spec) -> list[str]:
 def _fused_experts() -> bool:
     """transformers 5 fuses a MoE layer's experts into 3-D parameters; 4.x keeps one nn.Linear per
     expert (experts.N.gate_proj), which PEFT adapts as modules like any dense linear."""
-    import transformers
+    import transformers  # deferred: transformers (seconds to import) loads only when this runs
 
     return int(transformers.__version__.split(".")[0]) >= 5
 
@@ -444,11 +440,6 @@ def save_peft_adapter(chunks, spec, dims, options: LoraOptions, out_dir, base_mo
     `peft.PeftModel.from_pretrained(<base HF model>, out_dir)` loads: the names are the HF modules'
     (`base_model.model.<module>.lora_A.weight`), never Megatron's fused ones. MLP adapters of a MoE
     model go in transformers 5's fused-expert layout (megarl.models.lora_peft). Collective; rank 0 writes."""
-    import json
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
     tensors = full_adapters(chunks, spec, dims)
     if moe_mlp_adapters(tensors, spec) and _fused_experts():
         layout = moe_layout(tensors, spec, options.rank, options.alpha)

@@ -57,6 +57,7 @@ def local_norms(layer_spec):
     """The local layer spec `layer_spec` with every `WrappedTorchNorm` replaced by
     `SequenceParallelNorm` (input and pre-MLP norms; attention's q/k norms or MLA's latent norms).
     Modifies and returns the spec."""
+    # deferred: megatron (seconds to import) loads only when this runs
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     layer = layer_spec.submodules
@@ -80,6 +81,7 @@ def _kv_full_width_on_own_tokens(module, args, output):
     """Forward hook of MLA's column-parallel kv down projection under sequence parallelism: its
     [s, b, out/tp] output as [s/tp, b, out]. Backward: the sequence scatter all-gathers the (complete,
     TP-summed) gradient of this rank's tokens, the TP gather keeps this rank's columns."""
+    # deferred: megatron (seconds to import) loads only when this runs
     from megatron.core.tensor_parallel.mappings import (
         gather_from_tensor_model_parallel_region,
         scatter_to_sequence_parallel_region,

@@ -18,6 +18,8 @@ import shutil
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from safetensors import safe_open
+from safetensors.torch import save_file
 import torch
 import torch.distributed as dist
 
@@ -58,6 +60,7 @@ def model_chunks(model) -> list[torch.nn.Module]:
 
 
 def _layer_offset(model) -> int:
+    # deferred: megatron (seconds to import) loads only when this runs
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     return get_transformer_layer_offset(model.config, getattr(model, "vp_stage", None))
@@ -137,8 +140,6 @@ class SafetensorsDir:
     """Lazy, slice-level access to the safetensors files of an HF model directory."""
 
     def __init__(self, model_dir: str | Path):
-        from safetensors import safe_open
-
         self.dir = Path(model_dir)
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
@@ -286,8 +287,6 @@ def save_hf_checkpoint(model: Chunks, spec: ModelSpec, dims: ParallelDims, out_d
     """Write an HF model directory (safetensors shards + config + tokenizer) from rank 0 (collective).
     banned_token_ids: the run's rollout.banned_token_ids, written as generation_config.json's
     suppress_tokens (`write_suppress_tokens`) so that `generate` samples the policy that was trained."""
-    from safetensors.torch import save_file
-
     out_dir = Path(out_dir)
     write = dims.rank == 0
     if write:
@@ -359,7 +358,7 @@ def write_suppress_tokens(hf_dir: str | Path, token_ids: Sequence[int]) -> None:
     The source's own suppress_tokens are replaced: the run's bans are the policy's definition.
     vLLM's server does not read this key (docs/rollout.md says what to pass it instead).
     """
-    from transformers import AutoConfig, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig  # deferred: transformers (seconds to import) loads only when this runs
 
     hf_dir = Path(hf_dir)
     if (hf_dir / "generation_config.json").is_file():

@@ -7,8 +7,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+import logging
+import re
+import warnings
 
 import torch
+
+from megarl.platform import cpu_compat
+from megarl.platform.cpu_compat import define_te_general_gemm
 
 
 @dataclass(frozen=True)
@@ -36,13 +42,9 @@ def init_platform(force_cpu: bool | None = None) -> Platform:
         torch.cuda.set_device(local_rank)
         # Megatron's MoE router calls `te_general_gemm` whenever the name exists and only imports it
         # with Transformer-Engine: without TE every MoE forward raised NameError on GPU as well.
-        from megarl.platform.cpu_compat import define_te_general_gemm
-
         define_te_general_gemm()
         _PLATFORM = Platform(torch.device("cuda", local_rank), "nccl")
     else:
-        from megarl.platform import cpu_compat
-
         cpu_compat.apply()
         _PLATFORM = Platform(torch.device("cpu"), "gloo")
     return _PLATFORM
@@ -83,8 +85,6 @@ class _DropMatching:
     """A `logging` filter that drops records whose message matches one pattern."""
 
     def __init__(self, pattern: str):
-        import re
-
         self.pattern = re.compile(pattern)
 
     def filter(self, record) -> bool:
@@ -93,9 +93,6 @@ class _DropMatching:
 
 def quiet_known_warnings() -> None:
     """Hide the warnings in KNOWN_NOISE and KNOWN_LOG_NOISE (entry points call this; libraries never do)."""
-    import logging
-    import warnings
-
     for pattern in KNOWN_NOISE:
         warnings.filterwarnings("ignore", message=pattern)
     for name, pattern in KNOWN_LOG_NOISE.items():

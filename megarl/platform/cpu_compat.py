@@ -200,6 +200,7 @@ class CpuRNGStatesTracker:
 
 
 def install_cpu_rng_tracker() -> None:
+    # deferred: megatron (seconds to import) loads only when this runs
     from megatron.core.tensor_parallel import random as mcore_random
 
     mcore_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
@@ -287,7 +288,7 @@ def install_null_streams() -> None:
 
 def define_te_general_gemm() -> None:
     """Seam 5: moe_utils refers to te_general_gemm, undefined without Transformer-Engine."""
-    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import moe_utils  # deferred: megatron (seconds to import) loads only when this runs
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
@@ -312,7 +313,8 @@ def clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled_
 
 
 def install_cpu_grad_clip() -> None:
-    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import clip_grads  # deferred: megatron (seconds to import) loads only when this runs
+    # deferred: megatron (seconds to import) loads only when this runs
     from megatron.core.optimizer import optimizer as mcore_optimizer
 
     clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_cpu
@@ -336,6 +338,7 @@ def cpu_moe_token_dispatcher(requested: str) -> str:
 def require_finalize_model_grads(config) -> None:
     """Seam 8: without `finalize_model_grads_func` on the config, DP gradients are never reduced."""
     if getattr(config, "finalize_model_grads_func", None) is None:
+        # deferred: megatron (seconds to import) loads only when this runs
         from megatron.core.distributed import finalize_model_grads
 
         config.finalize_model_grads_func = finalize_model_grads
@@ -351,7 +354,9 @@ def mla_without_transformer_engine() -> None:
     truth. Applied where the MLA layer spec is built (`megarl.models.builder.layer_spec`), on
     every platform without TE (a GPU image without TE hits it too); a no-op where the module
     already knows (0.19 imports HAVE_TE from the extension)."""
+    # deferred: megatron (seconds to import) loads only when this runs
     from megatron.core.extensions import transformer_engine as te_extension
+    # deferred: megatron (seconds to import) loads only when this runs
     from megatron.core.transformer import multi_latent_attention
 
     if multi_latent_attention.HAVE_TE and not getattr(te_extension, "HAVE_TE", True):

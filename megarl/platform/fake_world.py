@@ -23,21 +23,20 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 FAKE_BACKEND = "fake"
 
 
 def enter(rank: int, world_size: int) -> None:
     """Make this process rank `rank` of a fake world of `world_size` (the previous world is left)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     leave()
     dist.init_process_group(FAKE_BACKEND, store=FakeStore(), rank=rank, world_size=world_size)
 
 
 def leave() -> None:
     """Destroy Megatron's groups and the default process group, if any."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # deferred: megatron (seconds to import) loads only when this runs
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

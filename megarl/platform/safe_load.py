@@ -5,7 +5,10 @@ reader (the engines', the run's, the supervised stages') goes through here."""
 from __future__ import annotations
 
 import os
+import pickle
 from typing import Any
+
+import torch
 
 
 class UnsafeCheckpointError(ValueError):
@@ -19,10 +22,6 @@ def load_plain(path: str | os.PathLike) -> Any:
     needs anything else was not written by megarl, and unpickling it could execute code planted in
     it: refused with an UnsafeCheckpointError naming the file, nothing of it executed.
     """
-    import pickle
-
-    import torch
-
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -40,10 +39,6 @@ def check_dcp_metadata(path: str | os.PathLike) -> None:
     only DCP's metadata classes, torch.Size / dtypes and a few builtins; anything else (a planted
     `exec`, `os.system`, ...) raises UnsafeCheckpointError before any of it is called.
     """
-    import pickle
-
-    import torch
-
     def allowed(module: str, name: str) -> bool:
         if module.startswith("torch.distributed.checkpoint."):
             return True

@@ -102,7 +102,7 @@ class CheckedReward:
 def _gather_problems(local: list[str]) -> list[list[str]]:
     """Every rank's problem list (only this rank's outside torch.distributed); empty if none anywhere."""
     try:
-        import torch.distributed as dist
+        import torch.distributed as dist  # deferred: torch; megarl.rewards (scoring in plain Python) is imported without it
     except ImportError:  # pragma: no cover - torch is a dependency
         dist = None
     if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -9,9 +9,11 @@ from typing import Sequence
 
 import torch
 
+from megarl.data.tokenizer import load_tokenizer
 from megarl.engine.batch import SequenceBatch
 from megarl.engine.engine import EngineConfig, MegatronEngine
 from megarl.distributed.parallel import ParallelDims
+from megarl.models.weights import SafetensorsDir
 
 
 class RewardModel:
@@ -19,9 +21,6 @@ class RewardModel:
 
     def __init__(self, model_dir: str, dims: ParallelDims, dtype: str = "float32", max_tokens_per_microbatch: int = 16384,
                  sequence_packing: bool = True):
-        from megarl.data.tokenizer import load_tokenizer
-        from megarl.models.weights import SafetensorsDir
-
         if "score.weight" not in SafetensorsDir(model_dir).weight_map:
             raise ValueError(f"reward.model_path: {model_dir} has no score.weight; a reward model needs a scalar head "
                              f"(a *ForSequenceClassification checkpoint with num_labels=1, or an exported megarl critic)")

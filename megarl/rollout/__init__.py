@@ -11,9 +11,15 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
+from megarl.layout import RolloutLayout, check_rollout
+from megarl.models.convert import to_hf, weight_mappings
+from megarl.models.families import load_spec
 from megarl.rollout.base import (MissingEngineError, RolloutEngine, RolloutRequest, RolloutResult, SamplingParams,
                                  make_sample_seed, pad_results)
+from megarl.rollout.vllm_direct import choose, config_problem
+from megarl.rollout.vllm_lora import adapter_sync_reason
 
 ENGINES = ("hf", "vllm", "sglang")
 
@@ -31,19 +37,19 @@ def build_rollout_engine(name: str, hf_dir: str, *, tp: int = 1, seed: int = 0, 
     engine computes in. options: fields of the engine's own config (HFRolloutEngine.from_hf_dir,
     VLLMConfig, SGLangConfig).
     """
-    from megarl.layout import check_rollout
-
     check_rollout(name, tp)  # the hf engine: rollout.tp 1 (checked with the config, before any model exists)
     if name == "hf":
-        from megarl.rollout.hf import HFRolloutEngine
+        from megarl.rollout.hf import HFRolloutEngine  # deferred: the engine rollout.engine chooses (hf: transformers)
 
         return HFRolloutEngine.from_hf_dir(hf_dir, dtype=dtype, device=device, **options)
     elif name == "vllm":
+        # deferred: the engine rollout.engine chooses (vllm: optional)
         from megarl.rollout.vllm import VLLMConfig, VLLMRolloutEngine, vllm_dtype
 
         options.setdefault("dtype", vllm_dtype(dtype))
         return VLLMRolloutEngine(VLLMConfig(hf_dir=hf_dir, tensor_parallel_size=tp, seed=seed, **options))
     elif name == "sglang":
+        # deferred: the engine rollout.engine chooses (sglang: optional)
         from megarl.rollout.sglang import SGLangConfig, SGLangRolloutEngine
         from megarl.rollout.vllm import vllm_dtype  # same names
 
@@ -91,8 +97,6 @@ def planned_weight_path(name: str, spec, tp: int, *, weight_sync: str = "auto", 
     None will do for the other engines without adapters)."""
     no_adapter_path = "actor.lora is off"
     if lora_rank > 0:
-        from megarl.rollout.vllm_lora import adapter_sync_reason
-
         no_adapter_path = ("weight_sync='full' asked for full (merged) weights" if weight_sync == "full"
                            else adapter_sync_reason(name, lora_rank, lora_targets, spec.is_moe))
     if no_adapter_path is None:
@@ -102,7 +106,6 @@ def planned_weight_path(name: str, spec, tp: int, *, weight_sync: str = "auto", 
         return "full", f"rollout.engine={name} loads full HF tensors", no_adapter_path
     if weight_sync == "full":
         return "full", "weight_sync='full' asked for full HF tensors", no_adapter_path
-    from megarl.rollout.vllm_direct import config_problem
 
     problem = config_problem(spec, tp)
     if problem is not None:
@@ -127,13 +130,8 @@ def build_rollout(name: str, hf_dir: str, groups, *, seed: int = 0, device: str 
     LoRA (vLLM, megarl.hybrid.lora_sync) the path is "adapter": the base weights once as full HF
     tensors, then only the adapters; elsewhere the merged weights go the usual way.
     """
-    import torch.distributed as dist
-
-    from megarl.layout import RolloutLayout
-
     if weight_sync not in WEIGHT_SYNC_MODES:
         raise ValueError(f"weight_sync must be one of {WEIGHT_SYNC_MODES}, got {weight_sync!r}")
-    from megarl.models.families import load_spec
 
     cpu = torch.device(device).type == "cpu"
     options: dict = {}
@@ -161,8 +159,6 @@ def build_rollout(name: str, hf_dir: str, groups, *, seed: int = 0, device: str 
     # the config allows the direct path, or rules it out with its reason; only vLLM's model can confirm it
     # (choose asks every rank's, collectively; its own check repeats the config's, so a "full" plan ends the same)
     if name == "vllm" and path != "adapter" and weight_sync != "full":
-        from megarl.rollout.vllm_direct import choose
-
         direct = choose(engine, spec, groups.size)
         if isinstance(direct, str):
             if weight_sync == "direct":
@@ -185,9 +181,6 @@ def _full_hf_converter(hf_dir: str, train_tp: int):
     mappings: dict = {}
 
     def convert(name: str, full: torch.Tensor):
-        from megarl.models.convert import to_hf, weight_mappings
-        from megarl.models.families import load_spec
-
         if not mappings:
             mappings.update({m.name: m for m in weight_mappings(load_spec(hf_dir), train_tp)})
         return to_hf(mappings[name], full)

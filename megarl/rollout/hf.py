@@ -62,7 +62,7 @@ class HFRolloutEngine:
 
         Token ids in, token ids out: the tokenizer is not needed here.
         """
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # deferred: transformers (seconds to import) loads only when this runs
 
         config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=trust_remote_code)
         return cls.from_config(config, dtype=dtype, device=device, max_batch_rows=max_batch_rows, trust_remote_code=trust_remote_code)
@@ -70,7 +70,7 @@ class HFRolloutEngine:
     @classmethod
     def from_config(cls, config, *, dtype: torch.dtype = torch.float32, device: str = "cpu", max_batch_rows: int = 64,
                     trust_remote_code: bool = False) -> "HFRolloutEngine":
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # deferred: transformers (seconds to import) loads only when this runs
 
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
@@ -122,7 +122,7 @@ class HFRolloutEngine:
         return results
 
     def _decode_rows(self, specs: list[SampleSpec], sampling: SamplingParams) -> list[RolloutResult]:
-        from transformers import DynamicCache
+        from transformers import DynamicCache  # deferred: transformers (seconds to import) loads only when this runs
 
         B, dev = len(specs), self.device
         prompts = [s.request.prompt_token_ids for s in specs]

@@ -26,12 +26,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
+import torch
+
 from megarl.agents.chat import ChatTurns
-from megarl.agents.environment import Turn
+from megarl.agents.environment import Turn, load_environment_class
 from megarl.agents.tools import ToolExecutor
 from megarl.rollout.base import (EpisodeEngine, RolloutEngine, RolloutRequest, RolloutResult, SampleSpec, SamplingParams,
                                  expand_samples, make_sample_seed)
 from megarl.rewards.decode import response_text
+from megarl.step.global_batch import LocalStats
 
 
 @dataclass(frozen=True)
@@ -275,8 +278,6 @@ def with_environment(engine: RolloutEngine, rollout_cfg, tokenizer, log=None) ->
     (its class imported now: a bad name fails before any step). A remote engine (separate
     placement's RemoteRollout) is returned itself, set to send prompt rows: its server wraps the
     real engine with this same function."""
-    from megarl.agents.environment import load_environment_class
-
     mt = rollout_cfg.multi_turn
     if mt.environment is None:
         return engine
@@ -304,10 +305,6 @@ def env_rows(prompts) -> dict[int, dict]:
 def episode_metrics(samples, engine, reduce) -> dict[str, float]:
     """The step's agents/* metrics over the global batch ({} when the samples are not episodes).
     `reduce`: GlobalBatch.reduce (a collective over the DP group: every rank calls this)."""
-    import torch
-
-    from megarl.step.global_batch import LocalStats
-
     if not (isinstance(engine, MultiTurnRollout) or getattr(engine, "multi_turn", False)):
         return {}  # (multi_turn: a remote engine whose rollout rank runs the episodes)
     col = lambda key: torch.tensor([float(s.episode[key]) for s in samples], dtype=torch.float64)  # noqa: E731

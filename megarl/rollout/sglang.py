@@ -155,6 +155,7 @@ class SGLangRolloutEngine:
         self.group_rank = group_ranks.index(self.rank)
         self.group_index = self.owner // config.tp_size
         sglang = import_sglang()
+        # deferred: optional (sglang extra)
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
@@ -171,6 +172,7 @@ class SGLangRolloutEngine:
             if local_rank + config.tp_size > local_world:
                 raise ValueError(f"rollout group {group_ranks} spans nodes (owner LOCAL_RANK {local_rank} + tp {config.tp_size} > "
                                  f"{local_world} GPUs per node); megarl's SGLang adapter supports single-node TP groups")
+            # deferred: optional (sglang extra)
             from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
 
             self._local_serialized_tensor = LocalSerializedTensor

@@ -25,6 +25,8 @@ import os
 import random
 import weakref
 from dataclasses import dataclass, field
+import importlib
+import json
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -32,6 +34,7 @@ import torch
 
 from megarl.platform import process_groups
 from megarl.rollout.base import RolloutRequest, RolloutResult, SamplingParams, expand_samples, import_engine
+from megarl.rollout.vllm_direct import describe_model, write_shards
 from megarl.rollout.vllm_lora import AdapterSlot, lora_engine_kwargs
 from megarl.rollout.vllm_partial import InterruptibleGeneration
 from megarl.rollout.vllm_sampling import (KEPT_MASS_PROCESSOR, pop_kept_mass, records_kept_mass, sampled_logprobs, scaled_logprobs,
@@ -49,8 +52,6 @@ def import_vllm():
 
 def platform_has_sleep_mode(vllm) -> bool:
     """vLLM's own answer (CUDA, ROCm, XPU); LLM(enable_sleep_mode=True) raises elsewhere."""
-    import importlib
-
     return bool(importlib.import_module(vllm.__name__ + ".platforms").current_platform.is_sleep_mode_available())
 
 
@@ -149,8 +150,6 @@ def engine_kwargs(config: VLLMConfig, group_index: int, sleep_mode: bool = True,
 
 def ties_embeddings(hf_dir: str) -> bool:
     """config.json's tie_word_embeddings (transformers' default, True, when absent)."""
-    import json
-
     path = os.path.join(hf_dir, "config.json")
     if not os.path.exists(path):
         return False
@@ -226,8 +225,6 @@ class VLLMRolloutEngine:
 
     def describe_model(self) -> dict:
         """This rank's vLLM model as the direct weight path sees it (megarl.rollout.vllm_direct)."""
-        from megarl.rollout.vllm_direct import describe_model
-
         return self.llm.collective_rpc(describe_model)[0]
 
     def use_direct_weights(self) -> None:
@@ -249,8 +246,6 @@ class VLLMRolloutEngine:
             self.llm.wake_up(tags=["weights"])
             self._weights_awake = True
         if self.weight_format == "direct":
-            from megarl.rollout.vllm_direct import write_shards
-
             self.llm.collective_rpc(write_shards, args=(iter(weights),))
             self._reset_prefix_cache()
             self._weights_valid = True

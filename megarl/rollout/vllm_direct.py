@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 
+from megarl.layout import RolloutLayout
 from megarl.models.families import ModelSpec
 
 DIRECT_FAMILIES = ("llama", "qwen2", "qwen3")
@@ -121,6 +123,7 @@ def _logical_shape(module, pname: str, param: torch.Tensor) -> tuple[int, ...]:
 
 def describe_model(worker) -> dict:
     """What the direct path needs to know of this rank's vLLM model (picklable)."""
+    # deferred: optional (vllm extra)
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
     model = _model(worker)
@@ -234,10 +237,6 @@ class DirectPath:
 
 def choose(engine, spec: ModelSpec, tp: int) -> DirectPath | str:
     """The direct path if it serves every rank's vLLM model, else why not (the same on every rank)."""
-    import torch.distributed as dist
-
-    from megarl.layout import RolloutLayout
-
     rank = dist.get_rank()
     try:  # a failure here must not leave the other ranks waiting in the all-gather
         desc = engine.describe_model()

@@ -15,12 +15,16 @@ removed: vLLM's LRU cache would otherwise keep serving a stale adapter under a r
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
 import tempfile
 
+from safetensors.torch import save_file
 import torch
+
+from megarl.models.lora_targets import ATTENTION_PROJECTIONS
 
 # vLLM's LoRAConfig.max_lora_rank is one of these (MaxLoRARanks); an adapter of a smaller rank runs
 # in a slot of the next size up.
@@ -48,8 +52,6 @@ def adapter_bytes(tensors: dict[str, torch.Tensor]) -> int:
 
 def write_peft_dir(path: str, tensors: dict[str, torch.Tensor], config: dict) -> int:
     """A PEFT adapter directory vLLM's LoRA loader reads; returns the tensor bytes written."""
-    from safetensors.torch import save_file
-
     os.makedirs(path, exist_ok=True)
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, os.path.join(path, "adapter_model.safetensors"),
               metadata={"format": "pt"})
@@ -75,8 +77,6 @@ class AdapterSlot:
     @classmethod
     def for_llm(cls, llm, vllm) -> "AdapterSlot":
         """The slot of an LLM built with lora_engine_kwargs (`vllm`: the imported module)."""
-        import importlib
-
         return cls(llm, importlib.import_module(vllm.__name__ + ".lora.request").LoRARequest)
 
     @staticmethod
@@ -114,8 +114,6 @@ class AdapterSlot:
 
 def adapter_sync_reason(engine: str, rank: int, targets, is_moe: bool) -> str | None:
     """Why the adapter-only path does not apply, or None when it does."""
-    from megarl.models.lora_targets import ATTENTION_PROJECTIONS
-
     if rank <= 0:
         return "actor.lora is off"
     if engine != "vllm":

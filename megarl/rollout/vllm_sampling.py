@@ -23,7 +23,7 @@ def records_kept_mass() -> bool:
     env = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
     if env is not None:
         return env.strip().lower() in ("0", "false")
-    from vllm.triton_utils import HAS_TRITON
+    from vllm.triton_utils import HAS_TRITON  # deferred: optional (vllm extra)
 
     return not HAS_TRITON
 

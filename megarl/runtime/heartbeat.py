@@ -173,6 +173,7 @@ def start_for_world(timeout_s: float, rank: int, world_size: int, separate=None)
     """The heartbeat of this rank on the default process group's store; None for a single process.
     separate: the world split of separate placement (megarl.async_rollout.placement.WorldGroups): every rank of
     the whole world, rollout ranks included, beats in the world's store."""
+    # deferred: torch; megarl.run imports this module and stays torch-free
     import torch.distributed as dist
 
     from megarl.platform import process_groups

@@ -16,6 +16,8 @@ import signal
 import torch
 import torch.distributed as dist
 
+from megarl.distributed.parallel import all_reduce_host
+
 # EX_TEMPFAIL from sysexits.h: "temporary failure, try again" - the run is resumable as it stands.
 PREEMPTED_EXIT_CODE = 75
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -62,8 +64,6 @@ class PreemptionWatch:
         Every rank gets the same answer, so all stop after the same step."""
         flag = torch.tensor([self.received or 0], dtype=torch.int64)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-            from megarl.distributed.parallel import all_reduce_host
-
             flag = all_reduce_host(flag, group, op=dist.ReduceOp.MAX)
         signum = int(flag.item())
         return signal.Signals(signum).name if signum else None

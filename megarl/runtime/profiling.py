@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+import torch
+
 PROFILE_DIR = "profile"
 _NULL = contextlib.nullcontext()
 _active: str | None = None  # the profiler recording the current step, or None
@@ -25,10 +27,7 @@ def phase(name: str):
     if _active is None:
         return _NULL
     if _active == "nvtx":
-        import torch
-
         return torch.cuda.nvtx.range(name)
-    import torch
 
     return torch.profiler.record_function(name)
 
@@ -44,8 +43,6 @@ class StepProfiler:
     def __init__(self, kind: str, steps, run_dir: str | Path, rank: int):
         self.kind, self.steps, self.run_dir, self.rank = kind, frozenset(steps), Path(run_dir), rank
         if kind == "nvtx" and self.steps:
-            import torch
-
             if not torch.cuda.is_available():
                 raise ValueError("trainer.profiler=nvtx records NVTX ranges for Nsight Systems, which needs CUDA; "
                                  "use trainer.profiler=torch on this machine")
@@ -58,7 +55,6 @@ class StepProfiler:
     @contextlib.contextmanager
     def _recorded(self, step: int):
         global _active
-        import torch
 
         if self.kind == "nvtx":
             torch.cuda.profiler.start()

@@ -55,7 +55,7 @@ def _check_port_free(host: str, ip: str, port: int) -> None:
 def check(host: str, port: int, nnodes: int, node_rank: int, timeout_s: float, key: str = "megarl-preflight") -> None:
     """Raises RendezvousError with the one-line reason; returns when all nnodes nodes checked in."""
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")  # c10d logs every retried connection: one line is the point
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # deferred: torch reads TORCH_CPP_LOG_LEVEL (set above) when it loads
 
     ip = _resolve(host)
     deadline = time.monotonic() + timeout_s

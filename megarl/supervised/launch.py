@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from megarl.run import Refused, Run
+
 STAGES = {"sft": "supervised fine-tuning", "reward_model": "reward-model training"}
 
 
@@ -13,9 +15,9 @@ def main(stage: str, argv=None) -> int:
     p.add_argument("--config", required=True, help="YAML config (configs/tiny_cpu_sft.yaml, configs/tiny_cpu_rm.yaml)")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. trainer.total_steps=10")
     args = p.parse_args(argv)
-    from megarl.run import Refused, Run
 
     def make_trainer(cfg, dims, separate):
+        # deferred: the trainer (Megatron): a refused config exits 2 before it loads
         from megarl.supervised.trainer import SupervisedTrainer
 
         return SupervisedTrainer(cfg, dims, stage, separate=separate)

@@ -38,6 +38,13 @@ import sys
 import time
 from pathlib import Path
 
+from megarl import hub
+from megarl.config import load_config, validate
+from megarl.config.inputs import check_model_layout
+from megarl.config.placement_rules import training_world
+from megarl.config.validation import layout_of
+from megarl.tools.dryrun_errors import InvariantError
+
 
 def parser(prog: str = "python -m megarl.tools.dryrun") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
@@ -81,11 +88,6 @@ def parse_ranks(text: str, world_size: int) -> list[int]:
 
 def checked_config(config: str, overrides: list[str], world_size: int):
     """(cfg, model_dir, training world) after the trainer's own checks; ValueError: one line."""
-    from megarl import hub
-    from megarl.config import load_config, validate
-    from megarl.config.inputs import check_model_layout
-    from megarl.config.placement_rules import training_world
-
     if world_size < 1:
         raise ValueError(f"--world-size must be at least 1, got {world_size}")
     cfg = load_config(config, overrides)
@@ -110,12 +112,12 @@ def main(argv=None, prog: str = "python -m megarl.tools.dryrun") -> int:
 
 
 def run(config: str, world_size: int, overrides: list[str], ranks_text: str = "all", json_path: str | None = None) -> int:
+    # deferred: torch (megarl.platform imports it); launch/ppo.py imports this module to parse its arguments
     from megarl.platform import init_platform, quiet_known_warnings
 
     quiet_known_warnings()
     try:
         cfg, model_dir, world = checked_config(config, list(overrides), world_size)
-        from megarl.config.validation import layout_of
 
         layout = layout_of(cfg.parallel, world)
         ranks = parse_ranks(ranks_text, world)
@@ -124,11 +126,11 @@ def run(config: str, world_size: int, overrides: list[str], ranks_text: str = "a
             raise
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    # deferred: torch and Megatron (every rank's build), loaded after the config check
     import torch.distributed as dist
 
     from megarl.platform import fake_world
     from megarl.tools import dryrun_checks
-    from megarl.tools.dryrun_errors import InvariantError
     from megarl.tools.dryrun_rank import build_rank
 
     if dist.is_initialized() and not fake_world.is_fake():

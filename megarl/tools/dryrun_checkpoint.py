@@ -55,6 +55,7 @@ def engine_pieces(role: str, engine, layout) -> tuple[list[Piece], int, list[str
     optimizer state of the whole DP group (a minute per rank at 671B, on meta tensors) and which
     fails on the builds `misplaced_main_params` finds; tests/tools/test_dryrun.py checks the
     derivation against Megatron's own on a small model."""
+    # deferred: megatron and torch (seconds to import) load only when this runs
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 

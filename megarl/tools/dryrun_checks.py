@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from megarl.capacity import arch_from_config, load_config, params_total
+from megarl.capacity.estimate import engine_state, stage_tensors
+from megarl.capacity.from_config import planner_inputs
+from megarl.models.families import load_spec
+from megarl.tools import dryrun_checkpoint, dryrun_sync
 from megarl.tools.dryrun_errors import InvariantError
 from megarl.tools.dryrun_rank import RankBuild
 
@@ -13,8 +18,6 @@ PARTS = (("param_bytes", "params"), ("grad_bytes", "grads"), ("optimizer_bytes",
 
 
 def _spec(model_dir: str):
-    from megarl.models.families import load_spec
-
     return load_spec(model_dir)
 
 
@@ -70,10 +73,6 @@ def _check_cover(builds: list[tuple[RankBuild, list[int]]], layout, spec, comple
 
 def planner_figures(cfg, model_dir: str, layout) -> dict[int, dict]:
     """The planner's param / grad / optimizer bytes per pipeline stage, summed over the roles the run builds."""
-    from megarl.capacity import arch_from_config, load_config
-    from megarl.capacity.estimate import engine_state
-    from megarl.capacity.from_config import planner_inputs
-
     arch = arch_from_config(load_config(model_dir))
     _, lay, run = planner_inputs(cfg)
     roles = ["actor"] + (["critic"] if run.critic else []) + (["ref"] if run.ref and not run.lora_rank else [])
@@ -89,8 +88,6 @@ def planner_figures(cfg, model_dir: str, layout) -> dict[int, dict]:
 def parameters_from_config(model_dir: str) -> int:
     """The model's parameters from config.json (megarl.capacity.arch, as Hugging Face counts them,
     the routers' score-correction biases included; no multi-token-prediction layers)."""
-    from megarl.capacity import arch_from_config, load_config, params_total
-
     return params_total(arch_from_config(load_config(model_dir)))
 
 
@@ -102,8 +99,6 @@ def vocab_padding(spec, tp: int) -> int:
 def report(cfg, model_dir: str, layout, builds: list[tuple[RankBuild, list[int]]], complete: bool) -> dict:
     """The JSON report; with every rank built (`complete`), the parameter-sum invariant; the
     weight-sync plan's cover (every stage built) and the checkpoint's written-once invariants."""
-    from megarl.tools import dryrun_checkpoint, dryrun_sync
-
     spec = _spec(model_dir)
     _check_cover(builds, layout, spec, complete)
     from_config = parameters_from_config(model_dir)
@@ -151,10 +146,6 @@ def _relative(plan: int, built: int) -> float | None:
 def _stage_short(unique_by_stage: dict[int, int], cfg, model_dir: str, layout) -> str:
     """Where the sum goes wrong: the first pipeline stage whose unique parameters differ from the
     planner's tensors of that stage (megarl.capacity.estimate.stage_tensors, padded vocabulary)."""
-    from megarl.capacity import arch_from_config, load_config
-    from megarl.capacity.estimate import stage_tensors
-    from megarl.capacity.from_config import planner_inputs
-
     arch, (_, lay, _) = arch_from_config(load_config(model_dir)), planner_inputs(cfg)
     for stage in range(layout.pp):
         want = sum(t.numel * t.count for t in stage_tensors(arch, lay, stage))

@@ -10,10 +10,19 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+import time
 
 import torch
 
+from megarl.distributed.parallel import ParallelDims
+from megarl.engine.checkpointing import ensure_optimizer_state
+from megarl.engine.engine import MegatronEngine
+from megarl.hybrid.engine import shard_metadata, streamed_shards
 from megarl.layout.parallel import RankCoords
+from megarl.models import lora
+from megarl.platform import fake_world
+from megarl.step.engine_options import engine_config
+from megarl.tools.dryrun_checkpoint import CHECKPOINTED_ROLES, engine_pieces
 from megarl.tools.dryrun_errors import InvariantError
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -90,13 +99,6 @@ class RankBuild:
 
 def build_rank(cfg, model_dir: str, world_size: int, rank: int) -> RankBuild:
     """Be rank `rank` of a fake world of `world_size` and build its process groups and engines."""
-    import time
-
-    from megarl.engine.engine import MegatronEngine
-    from megarl.distributed.parallel import ParallelDims
-    from megarl.platform import fake_world
-    from megarl.step.engine_options import engine_config
-
     start = time.perf_counter()
     fake_world.enter(rank, world_size)
     p = cfg.parallel
@@ -113,7 +115,6 @@ def build_rank(cfg, model_dir: str, world_size: int, rank: int) -> RankBuild:
     uses_ref = cfg.algorithm.use_kl_in_reward or cfg.actor.use_kl_loss
     if uses_ref and not (cfg.actor.lora.rank > 0 and not cfg.ref.separate_model):  # the trainer's rule (megarl/trainer.py)
         engines.append(("ref", MegatronEngine, dict(cfg=engine_config(cfg, "ref", t.total_steps), trainable=False)))
-    from megarl.tools.dryrun_checkpoint import CHECKPOINTED_ROLES, engine_pieces
 
     build = RankBuild(rank, coords, [], {}, {})
     for role, cls, kwargs in engines:
@@ -139,8 +140,6 @@ def _sync_rows(engine) -> list[tuple]:
     """The actor's weight-sync metadata as the trainer hands it to the HybridEngine
     (megarl.rollout_side.build.actor_shards): a tied output layer is the embedding, streamed once. Under LoRA the
     merged and the base shards have the same shapes; the base's are taken (no merge on meta)."""
-    from megarl.hybrid.engine import shard_metadata, streamed_shards
-
     shards = engine.base_weight_shards() if engine.lora else engine.local_weight_shards()
     return shard_metadata(streamed_shards(shards, engine.spec.tie_embeddings))
 
@@ -148,8 +147,6 @@ def _sync_rows(engine) -> list[tuple]:
 def _adapter_elements(engine) -> tuple[int, int]:
     """Elements of the LoRA adapters this rank's actor holds (its A and B shards, what
     megarl.models.lora.full_adapters gathers) and of the same adapters whole (rank x (in + out))."""
-    from megarl.models import lora
-
     held = whole = 0
     for _, _, adapter in lora.adapters(engine.chunks):
         for name, part in adapter.adapters.items():
@@ -187,8 +184,6 @@ def _measure(role: str, engine) -> RoleBuild:
                 out.params.add(buf)
                 out.kinds["dense_replicated"] += buf.numel()
     if engine.optimizer is not None:
-        from megarl.engine.checkpointing import ensure_optimizer_state
-
         ensure_optimizer_state(engine)  # Adam's moments, as a step (or the checkpoint code) creates them
         for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
             main_copies = {id(p) for group in getattr(opt, "shard_fp32_from_float16_groups", []) for p in group}

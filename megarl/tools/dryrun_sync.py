@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import re
 
-from megarl.hybrid.plan import Plan, Span
+from megarl.capacity import arch_from_config, load_config, sync_bytes
+from megarl.capacity.from_config import planner_inputs
+from megarl.hybrid.plan import Plan, Span, build_specs, make_plan
+from megarl.layout import RolloutLayout, assign_rollout, separate_assignment
+from megarl.rollout import planned_weight_path
+from megarl.rollout.vllm_direct import VOCAB_TENSORS, vocab_rows
 from megarl.tools.dryrun_errors import InvariantError
 from megarl.tools.dryrun_rank import RankBuild
 
@@ -26,10 +31,6 @@ def weight_layout(cfg, spec):
     megarl.rollout.planned_weight_path, the decision megarl.rollout.build_rollout itself starts
     from; the direct path's layout assumes vLLM's model holds the shapes megarl's table expects
     (build_rollout confirms that against the engine, which a dry run does not build)."""
-    from megarl.layout import RolloutLayout
-    from megarl.rollout import planned_weight_path
-    from megarl.rollout.vllm_direct import VOCAB_TENSORS, vocab_rows
-
     r = cfg.rollout
     # separate placement builds its engine without the actor's adapters (megarl.async_rollout.engine_side):
     # merged weights go there, as the real run sends them
@@ -86,9 +87,6 @@ def rank_metadata(builds: list[tuple[RankBuild, list[int]]], layout, spec) -> li
 
 def plan_sync(cfg, layout, spec, builds: list[tuple[RankBuild, list[int]]]) -> tuple[Plan | None, dict]:
     """The real planner's plan for this run (None when not every stage is built) and its summary."""
-    from megarl.hybrid.plan import build_specs, make_plan
-    from megarl.layout import assign_rollout
-
     rollout, path, why = weight_layout(cfg, spec)
     summary = {"path": path, "why": why, "rollout_tp": rollout.tp, "grouping": rollout.grouping,
                "bucket_bytes": cfg.rollout.bucket_bytes}
@@ -107,8 +105,6 @@ def plan_sync(cfg, layout, spec, builds: list[tuple[RankBuild, list[int]]]) -> t
     if receivers is None:
         assignment = assign_rollout(layout, rollout)
     else:  # as megarl.hybrid.engine does under separate placement: the rollout ranks follow the training ranks
-        from megarl.layout import separate_assignment
-
         assignment = separate_assignment(layout.world_size, receivers, rollout.tp)
     plan = make_plan(build_specs(metadata), layout, assignment, rollout.tp, cfg.rollout.bucket_bytes,
                      dict(rollout.rows), receivers=receivers)
@@ -228,9 +224,6 @@ def per_rank(plan: Plan | None) -> dict[int, dict]:
 def planner_sync(cfg, model_dir: str, layout) -> int:
     """The planner's weight-sync bytes received per GPU (its max over GPUs, megarl.capacity.sync_bytes:
     it assumes the rollout.tp layout on the micro-DP grouping, whatever path the engine takes)."""
-    from megarl.capacity import arch_from_config, load_config, sync_bytes
-    from megarl.capacity.from_config import planner_inputs
-
     arch = arch_from_config(load_config(model_dir))
     _, lay, _ = planner_inputs(cfg)
     return int(sync_bytes(arch, lay, layout.world_size, layout.dp)["megarl_bytes_per_gpu"])

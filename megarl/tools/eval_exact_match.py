@@ -18,14 +18,18 @@ import argparse
 import json
 import sys
 
+import yaml
+
+from megarl import hub
+
 
 def exact_match(model_dir: str, data_files: list[str], limit: int | None = None, max_new_tokens: int = 16,
                 batch_rows: int = 256, banned_token_ids: tuple[int, ...] = ()) -> dict:
     """{"exact_match": fraction, "correct", "total", "examples": up to 5 wrong answers}."""
+    # deferred: torch, transformers and pyarrow (seconds to import): --help runs without them
     import torch
     from transformers import AutoModelForCausalLM
 
-    from megarl import hub
     from megarl.data.tokenizer import load_tokenizer
 
     from megarl.data.dataset import encode_prompt, read_prompt_files
@@ -69,8 +73,6 @@ def main(argv=None) -> int:
     try:
         banned = list(args.banned_token_ids)
         if args.run_config:
-            import yaml
-
             with open(args.run_config) as f:
                 banned += list((yaml.safe_load(f).get("rollout") or {}).get("banned_token_ids") or [])
         out = exact_match(args.model, args.data, args.limit, args.max_new_tokens, banned_token_ids=tuple(banned))

@@ -14,6 +14,7 @@ import sys
 
 
 def score_pairs(model_dir: str, data_files: list[str], limit: int | None = None) -> dict:
+    # deferred: torch, transformers and pyarrow (seconds to import): --help runs without them
     import pyarrow.parquet as pq
     import torch
     from transformers import AutoModelForSequenceClassification

@@ -21,6 +21,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megarl import hub
+from megarl.data.batching import pad_right
+from megarl.distributed.parallel import dims_from_env
+from megarl.engine.batch import SequenceBatch
+from megarl.engine.engine import EngineConfig, MegatronEngine
+from megarl.engine.forward import pipeline_forward
+from megarl.layout import ModelShape, check_model
+from megarl.models import load_model_chunks
+from megarl.models.families import load_spec
+from megarl.models.sequence_parallel import sequence_multiple
+from megarl.models.vocab_parallel import vocab_parallel_logprobs
+
 
 def read_jsonl_ids(path: str, vocab_size: int | None = None) -> list[list[int]]:
     """Token-id lists of a JSONL file of {"input_ids": [...]}; errors name file:line."""
@@ -56,12 +68,6 @@ def sequence_logprobs(model, spec, dims, sequences: list[list[int]], micro_batch
     `length` and `num_micro_batches` must be equal on every rank of an expert-parallel group: MoE
     layers exchange tokens across it, so every replica runs the same shapes.
     """
-    from megarl.data.batching import pad_right
-    from megarl.engine.forward import pipeline_forward
-    from megarl.models.vocab_parallel import vocab_parallel_logprobs
-
-    from megarl.models.sequence_parallel import sequence_multiple
-
     n = len(sequences)
     length = length or max(len(s) for s in sequences)
     multiple = sequence_multiple(dims)  # sequence parallelism splits the sequence over TP
@@ -86,9 +92,6 @@ def sequence_logprobs(model, spec, dims, sequences: list[list[int]], micro_batch
 def packed_logprobs(model_dir: str, dims, dtype: str, sequences: list[list[int]], tokens_per_micro_batch: int) -> list[list[float]]:
     """Log-probs of each sequence through the engine's packed forward-only pass (what training runs,
     context parallelism included): every token after the first is a "response" token."""
-    from megarl.engine.batch import SequenceBatch
-    from megarl.engine.engine import EngineConfig, MegatronEngine
-
     engine = MegatronEngine(model_dir, dims, EngineConfig(dtype=dtype, max_tokens_per_microbatch=tokens_per_micro_batch),
                             trainable=False)
     width = max((len(s) for s in sequences), default=2) - 1
@@ -114,12 +117,6 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--micro-batch-size", type=int, default=4)
     args = p.parse_args(argv)
-
-    from megarl import hub
-    from megarl.models import load_model_chunks
-    from megarl.layout import ModelShape, check_model
-    from megarl.models.families import load_spec
-    from megarl.distributed.parallel import dims_from_env
 
     try:
         if args.cp > 1 and args.pp > 1:

@@ -18,6 +18,8 @@ import json
 import sys
 from pathlib import Path
 
+from safetensors.torch import load_file, save_file
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 import torch
 
 from megarl.models.families import FAMILY_NAMES, LARGE_MOE_FAMILIES
@@ -37,8 +39,7 @@ Let's think step by step. The answer is 42. Question: Answer: Therefore the tota
 
 def build_tokenizer(kind: str, out: Path, bpe_vocab_size: int = 300):
     """Create and save a tokenizer; returns the `PreTrainedTokenizerFast`."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # deferred: transformers (seconds to import) loads only when this runs
 
     if kind == "digits":
         vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + DIGITS_ALPHABET)}
@@ -68,7 +69,7 @@ def build_tokenizer(kind: str, out: Path, bpe_vocab_size: int = 300):
 
 def build_config(arch: str, vocab_size: int, args: argparse.Namespace):
     """A small `transformers` config of the given family."""
-    import transformers
+    import transformers  # deferred: transformers (seconds to import) loads only when this runs
 
     common = dict(
         vocab_size=vocab_size,
@@ -151,8 +152,6 @@ def _add_mtp_layers(out: Path, num_layers: int, count: int) -> None:
     """Append multi-token-prediction layers as DeepSeek-V3 / GLM-4.5 checkpoints carry them
     (`model.layers.{num_layers + i}`: a decoder layer plus enorm, hnorm, eh_proj, shared_head);
     transformers does not build them, megarl skips them on load."""
-    from safetensors.torch import load_file, save_file
-
     path = out / "model.safetensors"
     tensors = load_file(path)
     last = f"model.layers.{num_layers - 1}."
@@ -180,7 +179,7 @@ def make_tiny_model(arch: str, out: str | Path, seed: int = 0, **overrides) -> P
 
 
 def _make(args: argparse.Namespace) -> Path:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # deferred: transformers (seconds to import) loads only when this runs
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,7 @@ from pathlib import Path
 from megarl import hub
 from megarl.capacity import Cluster, Layout, RunShape, arch_from_config, gpu_table, load_config, plan, search
 from megarl.capacity.estimate import DELTA_CHANGED_FRACTION
+from megarl.capacity.placement import best_split, placement_times
 
 
 def parser() -> argparse.ArgumentParser:
@@ -183,8 +184,6 @@ def render(report: dict) -> str:
 def placement_estimate(report: dict, cluster, args) -> dict | None:
     """Colocated, separate-sync and separate-async step times from the report's phase costs
     (megarl.capacity.placement); None on one GPU (nothing to split)."""
-    from megarl.capacity.placement import best_split, placement_times
-
     if cluster.gpus < 2:
         return None
     # the two groups are apart: across nodes unless the whole run fits in one

@@ -88,9 +88,11 @@ def run_labels(run_dirs: list[Path]) -> list[str]:
 def build_report(run_dirs: list[Path], out: Path) -> dict[str, dict[str, Series]]:
     """Write `out` (HTML) and one PNG per curve beside it; returns {png name: {run label: series}}
     as drawn (each line's data read back from the figure)."""
+    # deferred: optional (matplotlib, monitor extra)
     import matplotlib
 
     matplotlib.use("Agg")
+    # deferred: optional (matplotlib, monitor extra)
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
@@ -135,6 +137,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("report.html"), help="the HTML file; PNGs go beside it")
     args = p.parse_args(argv)
     try:
+        # deferred: optional (matplotlib, monitor extra)
         import matplotlib  # noqa: F401
     except ImportError:
         print("error: megarl.tools.report draws with matplotlib, which is not installed: pip install 'megarl[monitor]'",

@@ -14,6 +14,7 @@ import os
 import time
 import warnings
 from pathlib import Path
+import sqlite3
 from typing import Any, Mapping
 
 from megarl.config import TrackingConfig
@@ -39,7 +40,7 @@ class MlflowLogger:
         self._start_mlflow(dict(params), resume, start_step)
 
     def log(self, values: Mapping[str, float | None], step: int) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # deferred: mlflow (seconds to import) loads only when tracking.loggers has it
 
         now = int(time.time() * 1000)
         batch = [Metric(k, v, now, step) for k, v in values.items() if v is not None]
@@ -59,6 +60,7 @@ class MlflowLogger:
     def _start_mlflow(self, params: dict, resume: bool, start_step: int) -> None:
         for noisy in ("mlflow.store.db.utils", "alembic"):  # "Creating initial MLflow database tables..."
             logging.getLogger(noisy).setLevel(logging.WARNING)
+        # deferred: mlflow (seconds to import) loads only when tracking.loggers has it
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
@@ -114,8 +116,6 @@ def _drop_mlflow_points_from(uri: str, run_id: str, start_step: int) -> bool:
     """Delete a run's metric points at or after start_step in a local sqlite MLflow store (the
     default, in the run dir), as metrics.jsonl drops its lines: a resumed run re-logs those steps.
     Returns False when the store is not a local sqlite file (nothing deleted)."""
-    import sqlite3
-
     if not uri.startswith("sqlite:///"):
         return False
     path = uri[len("sqlite:///"):]

@@ -49,6 +49,7 @@ class PrometheusExporter:
 
     def __init__(self, host: str, port: int):
         require("prometheus_client", "prometheus-client", "tracking.prometheus_port")
+        # deferred: optional (prometheus_client, monitor extra)
         from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector, start_http_server
 
         self._Gauge = Gauge

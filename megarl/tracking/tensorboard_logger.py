@@ -21,7 +21,7 @@ TENSORBOARD_DIR = "tensorboard"
 class TensorBoardLogger:
     def __init__(self, run_dir: Path, *, start_step: int):
         require("tensorboard", "tensorboard", "tracking.loggers: tensorboard")
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # deferred: optional (tensorboard, monitor extra)
 
         self.writer = SummaryWriter(log_dir=str(run_dir / TENSORBOARD_DIR), purge_step=start_step)
 

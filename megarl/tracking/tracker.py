@@ -18,7 +18,13 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from tqdm import tqdm
+
 from megarl.config import TrackingConfig
+from megarl.tracking.mlflow_logger import MlflowLogger
+from megarl.tracking.prometheus import PrometheusExporter
+from megarl.tracking.tensorboard_logger import TensorBoardLogger
+from megarl.tracking.wandb_logger import WandbLogger
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"  # tracking.sample_ids: the trained samples of each step
@@ -78,21 +84,16 @@ class Tracker:
             self._samples = open(self.run_dir / SAMPLES_FILE, "a")
         params = dict(params or {})
         if "mlflow" in chosen:
-            from megarl.tracking.mlflow_logger import MlflowLogger
             self.loggers["mlflow"] = MlflowLogger(cfg, self.run_dir, start_step=start_step, resume=resume, params=params)
         if "tensorboard" in chosen:
-            from megarl.tracking.tensorboard_logger import TensorBoardLogger
             self.loggers["tensorboard"] = TensorBoardLogger(self.run_dir, start_step=start_step)
         if "wandb" in chosen:
-            from megarl.tracking.wandb_logger import WandbLogger
             self.loggers["wandb"] = WandbLogger(cfg, self.run_dir, resume=resume, params=params,
                                                 history=read_metrics_file(self.metrics_path))
         if cfg.prometheus_port is not None:
-            from megarl.tracking.prometheus import PrometheusExporter
             self.prometheus = self.loggers["prometheus"] = PrometheusExporter(cfg.prometheus_host, cfg.prometheus_port)
             print(f"megarl: live metrics at http://{self.prometheus.host}:{self.prometheus.port}/metrics", flush=True)
         if self.console and cfg.progress_bar:
-            from tqdm import tqdm
             # start_step is the first step this process logs: that many minus one are already done.
             self._bar = tqdm(total=total_steps, initial=max(start_step - 1, 0), unit="step", dynamic_ncols=True)
 

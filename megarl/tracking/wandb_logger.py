@@ -17,6 +17,7 @@ its points of the re-run steps and drops the new ones (the values agree when the
 """
 from __future__ import annotations
 
+import netrc
 import os
 import secrets
 import shutil
@@ -40,7 +41,6 @@ def wandb_mode(cfg: TrackingConfig) -> str:
 def _has_key() -> bool:
     if os.environ.get("WANDB_API_KEY"):
         return True
-    import netrc
 
     try:
         return netrc.netrc().authenticators("api.wandb.ai") is not None
@@ -54,7 +54,7 @@ class WandbLogger:
     def __init__(self, cfg: TrackingConfig, run_dir: Path, *, resume: bool, params: Mapping[str, Any],
                  history: Iterable[dict]):
         require("wandb", "wandb", "tracking.loggers: wandb")
-        import wandb
+        import wandb  # deferred: optional (wandb, monitor extra)
 
         self.mode = wandb_mode(cfg)
         id_file = run_dir / RUN_ID_FILE
@@ -89,7 +89,7 @@ class WandbLogger:
         self.run.log({f"events/{name}": 1.0}, step=step)
 
     def close(self, status: str) -> None:
-        import wandb
+        import wandb  # deferred: optional (wandb, monitor extra)
 
         self.run.finish(exit_code=0 if status == "FINISHED" else 1)
         # finish() returns before W&B's core process has written the run file to the end (read

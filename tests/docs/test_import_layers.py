@@ -18,6 +18,14 @@ megarl/ (megarl/trainer.py is the room "trainer"); external packages are not roo
 
 The test asserts that the cycles found are exactly the listed ones: a new cycle fails it, and a
 broken one fails it until its line is deleted, so the lists only shrink. Issue 40 wanted both empty, and they are.
+
+Function-local imports (issue 40, item 4): with no cycle left, a local import is never needed to break one; it
+stays inside a function only to defer an optional dependency (vllm, sglang, transformer_engine, wandb, ...), a heavy
+one that the module's common path runs without (torch for the config check, Megatron, transformers), or a module
+chosen at run time (the rollout engines), and says which in a `# deferred: ...` comment on its line or on a comment
+line above its group of imports. `test_function_local_imports_say_what_they_defer` holds every one of them to that;
+an import that defers nothing belongs in the module's top-level imports.
+
 `python tests/docs/test_import_layers.py` (or pytest -s) prints the room layering found: the rooms
 by layer, each importing only rooms of lower layers, the tangles (strongly connected rooms) as one
 entry.
@@ -175,6 +183,42 @@ def describe() -> str:
     return "\n".join(lines)
 
 
+def local_imports(path: Path) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements inside functions (methods and nested functions included) of one module."""
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)) and in_function:
+                found.append(child)
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    visit(ast.parse(path.read_text(), filename=str(path)), False)
+    return found
+
+
+def unexplained_local_imports() -> list[str]:
+    """`path:line` of each function-local import without its `# deferred: ...` comment: on the import's first
+    line, or on a comment line directly above the import or above the run of import lines it belongs to (a group
+    under one comment: imports, with blank lines between them, down from the comment line)."""
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        lines = path.read_text().split("\n")
+        nodes = local_imports(path)
+        import_lines = {n for node in nodes for n in range(node.lineno, (node.end_lineno or node.lineno) + 1)}
+        for node in nodes:
+            above = node.lineno - 1  # 1-based number of the line above
+            while above in import_lines or (lines[above - 1].strip() == "" and above - 1 in import_lines):
+                above -= 1  # up through the imports above it, blank lines between them included
+            while above >= 1 and lines[above - 1].lstrip().startswith("#") and "# deferred" not in lines[above - 1]:
+                above -= 1  # a comment of several lines
+            own = "# deferred" in lines[node.lineno - 1]
+            group = above >= 1 and lines[above - 1].lstrip().startswith("# deferred")
+            if not (own or group):
+                missing.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    return missing
+
+
 def test_the_import_graph_reads_every_module():
     graph = import_graph()
     assert "megarl.trainer" in graph and "megarl.step.step_record" in graph["megarl.trainer"]
@@ -195,6 +239,16 @@ def test_room_cycles_are_the_known_ones():
     assert not new, ("imports between rooms that now lie on a cycle (issue 40 wants none; a lower room "
                      f"must not import a higher one): {[' -> '.join(e) for e in new]}")
     assert not gone, f"these room edges lie on no cycle any more: delete them from KNOWN_ROOM_CYCLES: {[' -> '.join(e) for e in gone]}"
+
+
+
+def test_function_local_imports_say_what_they_defer():
+    """Issue 40: a function-local import is there to defer an optional or heavy dependency, or a module chosen at
+    run time, and says which (`import torch  # deferred: the config check runs without torch`); anything else is
+    imported at module level, where a reader sees it (no cycle is left for a local import to break)."""
+    missing = unexplained_local_imports()
+    assert not missing, ("function-local imports without a `# deferred: <what it defers>` comment (move the import "
+                         f"to the module's top-level imports when it defers nothing): {missing}")
 
 
 if __name__ == "__main__":

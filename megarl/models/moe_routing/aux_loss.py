@@ -8,6 +8,7 @@ from typing import Sequence
 
 import torch
 
+from megarl.distributed.parallel import all_reduce_host
 from megarl.models.moe_routing.options import attached, unwrap_config
 
 _METER = "_megarl_aux_loss_meter"
@@ -39,9 +40,8 @@ def aux_loss_metric(chunks: Sequence[torch.nn.Module], dims) -> float | None:
     forwards and data-parallel ranks since the last call; None when the loss is off. `chunks`: this
     rank's model chunks (one per virtual pipeline stage). Collective over the pipeline and
     data-parallel groups. Reads and clears Megatron's aux-loss tracker."""
+    # deferred: megatron (seconds to import) loads only when this runs
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
-
-    from megarl.distributed.parallel import all_reduce_host
 
     meters = [m for m in (attached(c, _METER) for c in chunks) if m is not None]
     if not meters:

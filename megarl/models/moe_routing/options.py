@@ -53,6 +53,7 @@ def router_config(options: RouterOptions | None) -> dict:
 
 def routers(model: torch.nn.Module) -> list:
     """Megatron's TopKRouter modules in `model` (any wrapper), in module order."""
+    # deferred: megatron (seconds to import) loads only when this runs
     from megatron.core.transformer.moe.router import TopKRouter
 
     return [m for m in model.modules() if isinstance(m, TopKRouter)]
@@ -110,6 +111,6 @@ def use_hf_group_limited_topk() -> None:
     every call (0.16 to 0.19), so replacing it there reaches every router, replayed ones included
     (replay falls back to it for unrecorded tokens). megarl only builds models from Hugging Face
     checkpoints, whose routing transformers defines, so no router of the process wants the other rule."""
-    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import moe_utils  # deferred: megatron (seconds to import) loads only when this runs
 
     moe_utils.group_limited_topk = hf_group_limited_topk
