@@ -53,8 +53,8 @@ def check_placement(cfg: Config) -> None:
 
 
 def _check_fleet(cfg: Config) -> None:
-    """What rollout.placement=fleet runs so far (megarl.rollout_side.fleet): one training process,
-    synchronous steps, servers running the hf engine, single-turn samples."""
+    """What rollout.placement=fleet runs so far (megarl.rollout_side.fleet): synchronous steps, servers
+    running the hf engine, single-turn samples."""
     r, a = cfg.rollout, cfg.async_
     if r.num_ranks:
         raise ConfigError(f"rollout.num_ranks = {r.num_ranks} applies to rollout.placement=separate only; fleet servers join "
@@ -78,11 +78,7 @@ def _check_fleet(cfg: Config) -> None:
 
 
 def training_world(cfg: Config, world_size: int) -> int:
-    """The ranks that train: the whole world colocated, the world less rollout.num_ranks separate,
-    one process under fleet (so far)."""
-    if cfg.rollout.placement == "fleet" and world_size > 1:
-        raise ConfigError(f"rollout.placement=fleet runs one training process so far, got a world of {world_size}: launch "
-                          f"with --nproc_per_node 1 (servers add generation, not training) or use rollout.placement=separate")
+    """The ranks that train: the whole world colocated or fleet, the world less rollout.num_ranks separate."""
     if cfg.rollout.placement != "separate":
         return world_size
     if cfg.rollout.num_ranks >= world_size:

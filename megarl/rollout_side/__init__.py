@@ -35,7 +35,7 @@ def build_rollout_side(cfg, *, setup, engine, hand_over: WeightHandOver, dispatc
     when algorithm.filter_groups is on."""
     episodes = cfg.rollout.multi_turn.environment is not None  # the engine runs an episode per sample
     if cfg.rollout.placement == "fleet":
-        side: RolloutSide = FleetRollout(engine, setup.weight_path, hand_over, dispatch, data, sampling, to_samples)
+        side: RolloutSide = FleetRollout(engine, setup.weight_path, hand_over, dispatch, data, sampling, to_samples, dims.world_size)
     elif separate is not None:
         schedule = AsyncSchedule(engine, dispatch, cfg.async_.max_staleness, cfg.trainer.total_steps)
         side = RemoteRolloutSide(engine, setup.weight_path, hand_over, dispatch, data, sampling, to_samples,

@@ -77,7 +77,7 @@ def actor_shards(actor) -> dict:
 
 def fleet_setup(cfg, dims, actor, log) -> RolloutSetup:
     """rollout.placement=fleet: the fleet's engine takes full HF tensors, as the hf engine does."""
-    engine = open_fleet(cfg, cfg.model.path, actor.params_dtype, log=log or print)
+    engine = open_fleet(cfg, cfg.model.path, actor.params_dtype, dims.rank, log=log or print)
     return RolloutSetup(engine=engine, weight_layout=RolloutLayout(tp=1), groups=dims.rollout_groups(1),
                         convert=full_hf_converter(cfg.model.path, dims.tp), weight_path="full",
                         weight_path_reason="the fleet's servers load full HF tensors")

@@ -130,7 +130,6 @@ def test_endpoint_refuses_a_wrong_token_and_drops_malformed_messages():
     (["rollout.num_ranks=1"], 1, "rollout.num_ranks = 1 applies to rollout.placement=separate only"),
     (["actor.routing_replay=true"], 1, "rollout.placement=fleet does not run actor.routing_replay yet"),
     (["rollout.fleet.host=10.0.0.0/24"], 1, "is not an interface address or name"),
-    ([], 2, "rollout.placement=fleet runs one training process so far, got a world of 2"),
 ])
 def test_fleet_config_refusals(overrides, world_size, message):
     """What the fleet does not run yet is one line naming the key and the way out."""

@@ -1,9 +1,9 @@
-"""rollout.placement=fleet across two network-namespace nodes (issue 41): the trainer on node 0 binds
-its endpoint to node 0's address only; server a runs on node 0, server b on node 1. Node 1's link is
+"""rollout.placement=fleet across two network-namespace nodes (issue 41): the trainer on node 0 (two
+training processes, dp 2: rank 0 speaks to the fleet for both) binds its endpoint to node 0's address only; server a runs on node 0, server b on node 1. Node 1's link is
 cut (no FIN reaches anyone) while b holds half of step 2: only the heartbeat notices, b's requests go
 to a, and step 3 waits for rollout.fleet.min_servers=2 until the link comes back and b, hearing
 nothing from the trainer, joins again. The run exits 0, fleet/servers reads 2, 1, 2, and its metrics
-and samples equal the colocated run's at the same seed."""
+and samples equal the colocated two-process run's at the same seed."""
 from __future__ import annotations
 
 import json
@@ -24,7 +24,7 @@ from ppo_helpers import read_metrics, reference_run, shared_overrides  # noqa: E
 REASON = netns.unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
 
-COMMON = {"trainer.total_steps": 3, "tracking.sample_ids": "true"}  # tests/fleet/test_fleet_run.py's reference run
+COMMON = {"trainer.total_steps": 3, "tracking.sample_ids": "true"}
 
 
 def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout_s: float = 240.0) -> None:
@@ -65,7 +65,8 @@ def test_fleet_across_nodes_survives_a_cut_link(tmp_path):
 
         try:
             trainer_log = tmp_path / "trainer.log"
-            trainer = start(node0, ["launch/ppo.py", "--config", "configs/tiny_cpu.yaml", *overrides], trainer_log)
+            trainer = start(node0, ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "launch/ppo.py",
+                                     "--config", "configs/tiny_cpu.yaml", *overrides], trainer_log)
             _wait_for(trainer_log, "megarl fleet: endpoint open", trainer)
             # bound to node 0's address only: its loopback has no endpoint
             probe = subprocess.run([*node0.prefix(), sys.executable, "-c",
@@ -93,7 +94,7 @@ def test_fleet_across_nodes_survives_a_cut_link(tmp_path):
     steps = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert [{r[4] for r in s["samples"]} for s in steps] == [{"a", "b"}, {"a"}, {"a", "b"}]
 
-    reference = reference_run(0, **COMMON)
+    reference = reference_run(2, **COMMON)
     ref_steps = [json.loads(line) for line in (reference / "samples.jsonl").read_text().splitlines()]
     assert [[r[:3] for r in s["samples"]] for s in steps] == [[r[:3] for r in s["samples"]] for s in ref_steps]
     for fleet_row, ref_row in zip(metrics, read_metrics(reference), strict=True):
