@@ -1,4 +1,5 @@
-"""The fleet's wire format and the endpoint's door (rollout.placement=fleet, issue 41), in one process."""
+"""The fleet's wire format, the endpoint's door and its resubmission, the fleet's config rules
+(rollout.placement=fleet, issue 41), in one process with fake servers."""
 from __future__ import annotations
 
 import time
@@ -76,9 +77,13 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _recv(sock, timeout_s: float = 5.0):
-    if sock.poll(int(timeout_s * 1000)):
-        return decode(sock.recv_multipart())[0]
+def _recv(sock, timeout_s: float = 5.0, skip_heartbeats: bool = False):
+    """The next message's header (None within timeout_s); the endpoint's heartbeats skipped if asked."""
+    deadline = time.monotonic() + timeout_s
+    while sock.poll(max(int((deadline - time.monotonic()) * 1000), 0)):
+        header = decode(sock.recv_multipart())[0]
+        if not (skip_heartbeats and header["type"] == "heartbeat"):
+            return header
     return None
 
 
@@ -149,3 +154,67 @@ def test_fleet_config_defaults_bind_loopback():
     cfg = load_config("configs/tiny_cpu.yaml", ["rollout.placement=fleet"])
     validate(cfg, 1)
     assert (cfg.rollout.fleet.host, cfg.rollout.fleet.min_servers) == ("127.0.0.1", 1)
+
+
+def _answer(header: dict, drop_one: bool = False) -> list[bytes]:
+    """A fake server's result for a request: one token per sample, its seed mod 7."""
+    samples = [{"request_id": rid, "sample_index": j, "token_ids": [seed % 7], "logprobs": [-0.5], "scaled_logprobs": [-0.4],
+                "finish_reason": "length"}
+               for rid, seeds in zip(header["request_ids"], header["seeds"]) for j, seed in enumerate(seeds)]
+    return encode("result", step=header["step"], version=header["version"], request_ids=header["request_ids"],
+                  samples=samples[:-1] if drop_one else samples, tokens_per_s=100.0)
+
+
+def test_endpoint_resubmits_a_lost_servers_requests_and_drops_its_late_answer():
+    """Two fake servers; s2 falls silent holding its chunk: after heartbeat_s its requests go to s1
+    with the same seeds, and s2's late answer is dropped. A result missing a sample is dropped and
+    its requests handed out again."""
+    import threading
+
+    lines: list[str] = []
+    port = _port()
+    endpoint = FleetEndpoint("127.0.0.1", port, "tok", 1.0, {}, "float32", log=lines.append)
+    endpoint.publish(1, [("w", torch.zeros(1))])
+    context = zmq.Context.instance()
+    s1, s2 = context.socket(zmq.DEALER), context.socket(zmq.DEALER)
+    out: dict = {}
+    try:
+        for name, sock in (("s1", s1), ("s2", s2)):
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            sock.send_multipart(encode("hello", token="tok", server_id=name, engine="hf"))
+            assert _recv(sock, skip_heartbeats=True)["type"] == "welcome"
+            assert _recv(sock, skip_heartbeats=True)["type"] == "weights"
+            sock.send_multipart(encode("ready", version=1))
+        requests = [{"prompt_index": i, "prompt_ids": [1, i], "seeds": [10 * i, 10 * i + 1]} for i in range(4)]
+        runner = threading.Thread(target=lambda: out.update(endpoint.run(1, requests, SAMPLING, min_servers=2)))
+        runner.start()
+        first1, first2 = _recv(s1, skip_heartbeats=True), _recv(s2, skip_heartbeats=True)
+        assert first1["type"] == first2["type"] == "request"
+        assert first1["prompt_index"] == [0, 1] and first2["prompt_index"] == [2, 3]
+        s1.send_multipart(_answer(first1))
+        chunks, malformed_sent = [], False
+        deadline = time.monotonic() + 20
+        while runner.is_alive() and time.monotonic() < deadline:  # s1 beats on; s2 stays silent
+            s1.send_multipart(encode("heartbeat", version=1))
+            if s1.poll(200):
+                header, _ = decode(s1.recv_multipart())
+                if header["type"] == "request":
+                    chunks.append(header)
+                    s1.send_multipart(_answer(header, drop_one=not malformed_sent))
+                    malformed_sent = True
+        s2.send_multipart(_answer(first2))  # too late: its requests were answered by s1
+        runner.join(timeout=5)
+        time.sleep(0.3)
+    finally:
+        s1.close(0)
+        s2.close(0)
+        endpoint.close()
+    assert not runner.is_alive() and sorted(out) == [0, 1, 2, 3]
+    assert [c["prompt_index"] for c in chunks] == [[2, 3], [2, 3]]  # resubmitted, then again after the bad result
+    assert chunks[0]["seeds"] == first2["seeds"]  # the same seeds wherever they run
+    assert {out[i].server_id for i in range(4)} == {"s1"}
+    assert [s["token_ids"] for s in out[2].samples] == [[20 % 7], [21 % 7]]
+    assert any(line.startswith("megarl fleet: lost server s2") for line in lines)
+    assert any("does not have its 2 samples" in line for line in lines)
+    assert any(line.startswith("megarl fleet: dropped a result message from a peer that has not joined") for line in lines)
+    assert (endpoint.stats.lost_total, endpoint.stats.resubmitted_total, endpoint.stats.servers) == (1, 2, 1)
