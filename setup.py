@@ -26,6 +26,10 @@ setup(
         # megatron.core.dist_checkpointing needs psutil on CPU.
         "psutil",
         "tqdm",
+        # rollout.placement=fleet (megarl/fleet): the trainer's endpoint and the servers talk ZeroMQ with
+        # msgpack messages, never pickles (what vLLM uses between its own processes)
+        "pyzmq>=25",
+        "msgpack>=1.0",
     ],
     extras_require={
         # tracking.loggers tensorboard / wandb, tracking.prometheus_port, megarl.tools.report; each is

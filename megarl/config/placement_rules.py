@@ -17,6 +17,9 @@ def check_placement(cfg: Config) -> None:
             raise ConfigError("async.max_staleness > 0 and async.partial_rollout need rollout ranks that keep generating while "
                               "the others train: set rollout.placement=separate and rollout.num_ranks (or async.max_staleness=0)")
         return
+    if r.placement == "fleet":
+        _check_fleet(cfg)
+        return
     if r.num_ranks < 1:
         raise ConfigError("rollout.placement=separate needs rollout.num_ranks >= 1 (the last ranks of the world generate)")
     if r.engine not in ("hf", "vllm"):
@@ -49,8 +52,33 @@ def check_placement(cfg: Config) -> None:
                           "sends mid-generation: set async.max_staleness >= 1 or async.partial_rollout=false")
 
 
+def _check_fleet(cfg: Config) -> None:
+    """What rollout.placement=fleet runs so far (megarl.rollout_side.fleet): synchronous steps, servers
+    running the hf engine, single-turn samples."""
+    r, a = cfg.rollout, cfg.async_
+    if r.num_ranks:
+        raise ConfigError(f"rollout.num_ranks = {r.num_ranks} applies to rollout.placement=separate only; fleet servers join "
+                          f"with `python -m megarl.rollout.serve`: set rollout.num_ranks=0")
+    if r.engine != "hf":
+        raise ConfigError(f"rollout.placement=fleet runs servers with rollout.engine=hf so far, got {r.engine}: set "
+                          f"rollout.engine=hf or rollout.placement=colocated")
+    if a.max_staleness or a.partial_rollout:
+        raise ConfigError("rollout.placement=fleet is synchronous so far: set async.max_staleness=0 and "
+                          "async.partial_rollout=false (or rollout.placement=separate)")
+    for on, key in ((cfg.actor.routing_replay, "actor.routing_replay"),
+                    (cfg.rollout.multi_turn.environment is not None, "rollout.multi_turn.environment"),
+                    (cfg.algorithm.adv_estimator == "remax", "algorithm.adv_estimator=remax")):
+        if on:
+            raise ConfigError(f"rollout.placement=fleet does not run {key} yet: turn it off or use "
+                              f"rollout.placement=colocated")
+    host = r.fleet.host
+    if not host or host != host.strip() or "/" in host:
+        raise ConfigError(f"rollout.fleet.host = {r.fleet.host!r} is not an interface address or name: give one, e.g. "
+                          f"127.0.0.1 or the node's address on the network the servers reach")
+
+
 def training_world(cfg: Config, world_size: int) -> int:
-    """The ranks that train: the whole world colocated, the world less rollout.num_ranks separate."""
+    """The ranks that train: the whole world colocated or fleet, the world less rollout.num_ranks separate."""
     if cfg.rollout.placement != "separate":
         return world_size
     if cfg.rollout.num_ranks >= world_size:

@@ -143,6 +143,23 @@ class WeightSyncConfig:
 
 
 @dataclass
+class FleetConfig:
+    """rollout.placement=fleet: rollout servers outside the torchrun world join the trainer's endpoint
+    (docs/rollout.md, "Fleet")."""
+
+    host: str = knob("127.0.0.1", "interface the training job's fleet endpoint binds (never all interfaces unless named, "
+                                  "e.g. 0.0.0.0); servers connect with --trainer HOST:PORT")
+    port: int = knob(29600, "TCP port of the fleet endpoint", ge=1, le=65535)
+    token_file: str = knob("fleet.token", "file holding the run's token, which a server must show to join; created with a "
+                                          "fresh random token, readable by its owner only, when missing (relative paths are "
+                                          "under trainer.run_dir)")
+    heartbeat_s: float = knob(10.0, "a server silent this long is lost (its unfinished requests go to the others); servers "
+                                    "send a heartbeat every heartbeat_s / 3", gt=0)
+    min_servers: int = knob(1, "the trainer waits (saying so every heartbeat_s) until this many servers hold the current "
+                               "weights before it hands out a step's requests", ge=1)
+
+
+@dataclass
 class RolloutConfig:
     engine: Literal["hf", "vllm", "sglang"] = knob("hf", "inference engine that generates responses (hf runs on CPU)")
     tp: int = knob(1, "tensor-parallel size of the inference engine", ge=1)
@@ -167,11 +184,13 @@ class RolloutConfig:
     verify_weights_mean_atol: Optional[float] = knob(
         None, "limit on the mean |engine - actor| token log-prob of that check; null = the dtype's calibrated limit "
               "(float32 1e-4, bfloat16 0.07, float16 0.02: megarl.hybrid.verify.SYNC_CHECKS)", gt=0)
-    placement: Literal["colocated", "separate"] = knob(
+    placement: Literal["colocated", "separate", "fleet"] = knob(
         "colocated", "colocated: every rank trains and generates, taking turns; separate: the last rollout.num_ranks ranks "
-                     "of the torchrun world only generate and the others only train (docs/async_rl.md)")
+                     "of the torchrun world only generate and the others only train (docs/async_rl.md); fleet: rollout "
+                     "servers outside the torchrun world join and leave while training goes on (docs/rollout.md)")
     num_ranks: int = knob(0, "ranks that only generate with rollout.placement=separate (the last ones of the world)", ge=0)
     multi_turn: MultiTurnConfig = section(MultiTurnConfig, "multi-turn episodes with an environment (tool use; docs/agents.md)")
+    fleet: FleetConfig = section(FleetConfig, "rollout.placement=fleet: the endpoint rollout servers join (docs/rollout.md)")
 
 
 @dataclass
@@ -403,7 +422,8 @@ class TrackingConfig:
     prometheus_host: str = knob("127.0.0.1", "address the metrics endpoint binds to (localhost only by default; "
                                 "0.0.0.0 for a Prometheus on another machine)")
     sample_ids: bool = knob(False, "rank 0 appends each step's trained samples (dataset row, prompt and sample index, the "
-                                   "policy version of each token) to <run_dir>/samples.jsonl; a resume drops the steps it runs "
+                                   "policy version of each token; under rollout.placement=fleet also the server that generated it) to "
+                                   "<run_dir>/samples.jsonl; a resume drops the steps it runs "
                                    "again, as in metrics.jsonl (audits data order and staleness across restarts)")
 
     def active_loggers(self) -> tuple[str, ...]:

@@ -154,7 +154,7 @@ def build_rollout(name: str, hf_dir: str, groups, *, seed: int = 0, device: str 
     if record_routes:
         engine.record_routes = True  # MoE routing replay: each result carries its tokens' experts
     setup = RolloutSetup(engine=engine, weight_layout=RolloutLayout(tp=1), groups=groups,
-                         convert=_full_hf_converter(hf_dir, train_tp), weight_path="adapter" if path == "adapter" else "full",
+                         convert=full_hf_converter(hf_dir, train_tp), weight_path="adapter" if path == "adapter" else "full",
                          weight_path_reason=why)
     # the config allows the direct path, or rules it out with its reason; only vLLM's model can confirm it
     # (choose asks every rank's, collectively; its own check repeats the config's, so a "full" plan ends the same)
@@ -175,7 +175,7 @@ def build_rollout(name: str, hf_dir: str, groups, *, seed: int = 0, device: str 
     return setup
 
 
-def _full_hf_converter(hf_dir: str, train_tp: int):
+def full_hf_converter(hf_dir: str, train_tp: int):
     """Canonical full tensor -> its HF tensors (megarl.models.convert.to_hf); the model's
     config.json is read at the first call."""
     mappings: dict = {}
@@ -188,5 +188,5 @@ def _full_hf_converter(hf_dir: str, train_tp: int):
     return convert
 
 
-__all__ = ["ENGINES", "MissingEngineError", "RolloutEngine", "RolloutRequest", "RolloutResult", "RolloutSetup", "SamplingParams",
+__all__ = ["ENGINES", "full_hf_converter", "MissingEngineError", "RolloutEngine", "RolloutRequest", "RolloutResult", "RolloutSetup", "SamplingParams",
            "build_rollout", "build_rollout_engine", "make_sample_seed", "pad_results"]

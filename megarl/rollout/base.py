@@ -131,6 +131,8 @@ class RolloutResult:
     # what the episode adds to the sample's score and its counts (turns, observations, failures)
     env_reward: float = 0.0
     episode: dict | None = field(default=None, compare=False)
+    # rollout.placement=fleet: the server that generated it (megarl.rollout_side.fleet); None elsewhere
+    server: str | None = field(default=None, compare=False)
 
 
 class RolloutEngine(Protocol):

@@ -11,6 +11,7 @@ branches on which side it has:
     side.close()                      after the last step
 
 The sides: `LocalRollout` (rollout.placement=colocated: the engine on the training ranks),
+`FleetRollout` (fleet: servers outside the torchrun world, joining and leaving as they go),
 `RemoteRolloutSide` (separate: the rollout ranks' servers, requests up to async.max_staleness
 steps ahead) and `DynamicSampling` (algorithm.filter_groups: rounds of generation over either
 until enough groups have a score spread). `build_rollout_side` picks them from the config; what a
@@ -23,6 +24,7 @@ from megarl.async_rollout.client import AsyncSchedule
 from megarl.rollout.base import SamplingParams
 from megarl.rollout_side.base import RolloutSide, StepSamples, WeightHandOver
 from megarl.rollout_side.filtered import DynamicSampling
+from megarl.rollout_side.fleet import FleetRollout
 from megarl.rollout_side.local import LocalRollout
 from megarl.rollout_side.remote import RemoteRolloutSide
 
@@ -32,10 +34,12 @@ def build_rollout_side(cfg, *, setup, engine, hand_over: WeightHandOver, dispatc
     """The side this config runs: local or remote by rollout.placement, inside dynamic sampling
     when algorithm.filter_groups is on."""
     episodes = cfg.rollout.multi_turn.environment is not None  # the engine runs an episode per sample
-    if separate is not None:
+    if cfg.rollout.placement == "fleet":
+        side: RolloutSide = FleetRollout(engine, setup.weight_path, hand_over, dispatch, data, sampling, to_samples, dims.world_size)
+    elif separate is not None:
         schedule = AsyncSchedule(engine, dispatch, cfg.async_.max_staleness, cfg.trainer.total_steps)
-        side: RolloutSide = RemoteRolloutSide(engine, setup.weight_path, hand_over, dispatch, data, sampling, to_samples,
-                                              schedule, global_batch, episodes)
+        side = RemoteRolloutSide(engine, setup.weight_path, hand_over, dispatch, data, sampling, to_samples,
+                                 schedule, global_batch, episodes)
     else:
         side = LocalRollout(engine, setup.weight_path, hand_over, dispatch, data, sampling, to_samples, episodes)
     if cfg.algorithm.filter_groups.enable:
@@ -45,5 +49,5 @@ def build_rollout_side(cfg, *, setup, engine, hand_over: WeightHandOver, dispatc
     return side
 
 
-__all__ = ["DynamicSampling", "LocalRollout", "RemoteRolloutSide", "RolloutSide", "StepSamples", "WeightHandOver",
+__all__ = ["DynamicSampling", "FleetRollout", "LocalRollout", "RemoteRolloutSide", "RolloutSide", "StepSamples", "WeightHandOver",
            "build_rollout_side"]

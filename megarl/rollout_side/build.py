@@ -16,10 +16,12 @@ from megarl.hybrid.dispatch import DispatchGroups
 from megarl.hybrid.engine import HybridEngine, release_cached_device_memory, streamed_shards
 from megarl.hybrid.lora_sync import AdapterSync
 from megarl.rewards.decode import check_token_ids
-from megarl.rollout import build_rollout
+from megarl.layout import RolloutLayout
+from megarl.rollout import RolloutSetup, build_rollout, full_hf_converter
 from megarl.rollout.base import SamplingParams, stop_token_ids
 from megarl.rollout.multi_turn import with_environment
 from megarl.rollout_side import RolloutSide, WeightHandOver, build_rollout_side
+from megarl.rollout_side.fleet import open_fleet
 
 
 def build_trainer_rollout(cfg, dims, actor, tokenizer, data, *, offload: Callable[[], None], to_samples, score, global_batch,
@@ -32,7 +34,9 @@ def build_trainer_rollout(cfg, dims, actor, tokenizer, data, *, offload: Callabl
     # from what is free at that moment (megarl/capacity/memory_check.py decides the offloads left null).
     offload()
     release_cached_device_memory()
-    if separate is None:
+    if r.placement == "fleet":  # servers outside the torchrun world generate (megarl.rollout_side.fleet)
+        setup = fleet_setup(cfg, dims, actor, log)
+    elif separate is None:
         setup = build_rollout(r.engine, cfg.model.path, dims.rollout_groups(r.tp), seed=t.seed, device=str(actor.device),
                               dtype=actor.params_dtype, memory_fraction=r.gpu_memory_utilization,
                               max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens, train_tp=dims.tp,
@@ -69,3 +73,11 @@ def build_trainer_rollout(cfg, dims, actor, tokenizer, data, *, offload: Callabl
 def actor_shards(actor) -> dict:
     """The actor's weights for the rollout engine (a tied output layer once, as the embedding)."""
     return streamed_shards(actor.local_weight_shards(), actor.spec.tie_embeddings)
+
+
+def fleet_setup(cfg, dims, actor, log) -> RolloutSetup:
+    """rollout.placement=fleet: the fleet's engine takes full HF tensors, as the hf engine does."""
+    engine = open_fleet(cfg, cfg.model.path, actor.params_dtype, dims.rank, log=log or print)
+    return RolloutSetup(engine=engine, weight_layout=RolloutLayout(tp=1), groups=dims.rollout_groups(1),
+                        convert=full_hf_converter(cfg.model.path, dims.tp), weight_path="full",
+                        weight_path_reason="the fleet's servers load full HF tensors")

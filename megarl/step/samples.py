@@ -34,6 +34,7 @@ class Sample:
     response_mask: list[int] | None = None
     env_reward: float = 0.0
     episode: dict | None = field(default=None, compare=False)
+    server: str | None = None  # rollout.placement=fleet: the rollout server that generated it
 
     @property
     def oldest_version(self) -> int | None:
@@ -48,8 +49,10 @@ class Sample:
 
 def id_records(samples: list[Sample]) -> list[list]:
     """What identifies each trained sample (tracking.sample_ids): [dataset row, prompt index,
-    sample index, the policy version of each token or None]."""
-    return [[s.prompt.row, s.prompt_index, s.sample_index, list(s.versions) if s.versions else None] for s in samples]
+    sample index, the policy version of each token or None], and under rollout.placement=fleet the
+    server that generated it (the versions are then the fleet's weights versions)."""
+    return [[s.prompt.row, s.prompt_index, s.sample_index, list(s.versions) if s.versions else None]
+            + ([s.server] if s.server is not None else []) for s in samples]
 
 
 def merge_id_records(parts: list[list[list]]) -> list[list]:

@@ -24,7 +24,7 @@ def to_samples(tokenizer, prompts: list[PromptRow], results, sampling) -> list[S
                               list(result.scaled_logprobs if scaled else result.logprobs), scaled,
                               response_text(tokenizer, response, sampling.stop_token_ids), result.routed_experts,
                               tuple(result.versions[: len(response)]) if result.versions is not None else None,
-                              result.response_mask, result.env_reward, result.episode))
+                              result.response_mask, result.env_reward, result.episode, result.server))
     return samples
 
 

@@ -137,7 +137,8 @@ class Tracker:
 
     def samples(self, step: int, records: list) -> None:
         """tracking.sample_ids: one samples.jsonl line of the step's trained samples, each
-        [dataset row, prompt index, sample index, versions of its tokens or null]."""
+        [dataset row, prompt index, sample index, versions of its tokens or null], and under
+        rollout.placement=fleet the server that generated it."""
         if self._samples is not None:
             self._samples.write(json.dumps({"step": step, "samples": records}) + "\n")
             self._samples.flush()

@@ -1,0 +1,302 @@
+"""The training job's fleet endpoint (rollout.placement=fleet): a ZeroMQ ROUTER on rank 0 that rollout
+servers join, leave and fail from while training goes on.
+
+One thread owns the socket, so joins, heartbeats and losses are handled while the trainer trains:
+it checks each hello's token before anything is sent, welcomes a server with the model config and
+the current weights, answers heartbeats, and declares a server lost after rollout.fleet.heartbeat_s
+of silence. The trainer's thread talks to it through `publish` (new weights for every server) and
+`run` (a step's requests split over the servers holding the current weights, a lost server's
+unfinished requests handed to the others, waiting while fewer than min_servers are there).
+
+A request is one prompt with its samples' seeds: a sample is a function of the weights, the
+prompt and its seed, so a request finishes the same wherever it runs. A server answers a chunk of
+requests in one result message; a chunk of a lost server is resubmitted whole, and its late
+answer, should one come, is dropped: no sample mixes two servers.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import zmq
+
+from megarl.fleet.wire import WireError, decode, encode, tensor_frames, token_matches
+
+POLL_MS = 20
+
+
+@dataclass
+class _Server:
+    identity: bytes
+    server_id: str
+    last_seen: float
+    version: int = 0  # the weights version it has loaded (0: none yet)
+    tokens_per_s: float | None = None
+
+
+@dataclass
+class FleetStats:
+    """The fleet's counters; `metrics` names them as the trainer logs them."""
+
+    servers: int = 0
+    lost_total: int = 0
+    joined_total: int = 0
+    resubmitted_total: int = 0
+    refused_total: int = 0
+    dropped_total: int = 0
+    tokens_per_s: dict[str, float] = field(default_factory=dict)
+
+    def metrics(self) -> dict[str, float]:
+        out = {"fleet/servers": float(self.servers), "fleet/lost_total": float(self.lost_total),
+               "fleet/joined_total": float(self.joined_total), "fleet/resubmitted_total": float(self.resubmitted_total),
+               "fleet/refused_total": float(self.refused_total), "fleet/dropped_total": float(self.dropped_total)}
+        out.update({f"fleet/tokens_per_s/{sid}": v for sid, v in sorted(self.tokens_per_s.items())})
+        return out
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One request's samples as a server returned them (the wire's result.samples entries)."""
+
+    request_id: int
+    server_id: str
+    version: int
+    samples: list[dict]
+
+
+class FleetEndpoint:
+    """The ROUTER the servers join; `publish` and `run` are called from the trainer's thread."""
+
+    def __init__(self, host: str, port: int, token: str, heartbeat_s: float, model_config: dict, dtype: str,
+                 log: Callable[[str], None] = print):
+        self.token, self.heartbeat_s, self.log = token, heartbeat_s, log
+        self._welcome = encode("welcome", model_config=model_config, dtype=dtype, heartbeat_s=heartbeat_s)
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 1000)
+        # results are small (token ids and log-probs); a peer sending more is cut off by ZeroMQ
+        self._socket.setsockopt(zmq.MAXMSGSIZE, 1 << 30)
+        try:
+            self._socket.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError as err:
+            self._socket.close(0)
+            self._context.term()
+            raise ValueError(f"rollout.fleet: cannot open the fleet endpoint on {host}:{port} ({err}): choose a free "
+                             f"rollout.fleet.port or an address of this node as rollout.fleet.host") from None
+        self.address = f"{host}:{port}"
+        self.stats = FleetStats()
+        self._servers: dict[bytes, _Server] = {}
+        self._strangers: set[bytes] = set()  # peers told off once: a lost server beats on until it rejoins
+        self._weights: tuple[int, list[bytes]] | None = None  # (version, the weights message)
+        self._answers: list[tuple[bytes, dict]] = []  # result messages for `run`
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._ids = itertools.count(1)
+        self._thread = threading.Thread(target=self._loop, name="megarl-fleet", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ the trainer's thread
+    @property
+    def version(self) -> int:
+        return self._weights[0] if self._weights else 0
+
+    def publish(self, version: int, named_tensors: list) -> None:
+        """Weights `version` (HF names, full tensors) to every joined server and every later one."""
+        entries, frames = tensor_frames(named_tensors)
+        message = encode("weights", frames, version=version, tensors=entries)
+        with self._cond:
+            self._weights = (version, message)
+            for server in self._servers.values():
+                self._outbox.put((server.identity, message))
+
+    def run(self, step: int, requests: list[dict], sampling: dict, min_servers: int) -> dict[int, Answer]:
+        """Each request's answer, by position in `requests` ({prompt_index, prompt_ids, seeds}). Waits
+        for min_servers servers at the current version before handing out, resubmits what a lost
+        server left unfinished to the others, and returns once every request is answered."""
+        version = self.version
+        ids = {next(self._ids): i for i in range(len(requests))}
+        owner: dict[int, bytes] = {}  # request id -> the server it was sent to
+        answers: dict[int, Answer] = {}
+        handed_out, said = False, 0.0
+        while len(answers) < len(ids):
+            with self._cond:
+                ready = [s for s in self._servers.values() if s.version == version]
+                # the requests of servers that left are resubmitted, to the servers still here
+                lost = [rid for rid, who in owner.items() if rid not in answers and who not in self._servers]
+                for rid in lost:
+                    del owner[rid]
+                if lost:
+                    self.stats.resubmitted_total += len(lost)
+                todo = [rid for rid in ids if rid not in answers and rid not in owner]
+                enough = len(ready) >= (1 if handed_out else min_servers)
+                if todo and enough:
+                    self._hand_out(step, version, todo, requests, ids, sampling, ready, owner)
+                    handed_out = True
+                elif todo and time.monotonic() - said >= self.heartbeat_s:
+                    said = time.monotonic()
+                    need = 1 if handed_out else min_servers
+                    self.log(f"megarl fleet: step {step}: waiting for rollout servers: {len(ready)} of {need} hold weights "
+                             f"version {version} ({len(self._servers)} joined; start one with `python -m "
+                             f"megarl.rollout.serve --trainer {self.address} --token-file <rollout.fleet.token_file>`)")
+                self._cond.wait(timeout=0.1)
+                results, self._answers = self._answers, []
+            for identity, header in results:
+                self._take(identity, header, version, ids, owner, answers, requests)
+        with self._cond:
+            self.stats.servers = sum(1 for s in self._servers.values() if s.version == version)
+            self.stats.tokens_per_s = {s.server_id: s.tokens_per_s for s in self._servers.values()
+                                       if s.tokens_per_s is not None}
+        return {ids[rid]: answer for rid, answer in answers.items()}
+
+    def close(self) -> None:
+        """Tell every server the run ended, then close the socket."""
+        with self._cond:
+            for server in self._servers.values():
+                self._outbox.put((server.identity, encode("bye", reason="the run ended")))
+        deadline = time.monotonic() + 2.0
+        while not self._outbox.empty() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+    def _hand_out(self, step, version, todo, requests, ids, sampling, ready, owner) -> None:
+        """Contiguous chunks of `todo`, one per ready server (under the lock)."""
+        per = -(-len(todo) // len(ready))
+        for k, server in enumerate(ready):
+            chunk = todo[k * per:(k + 1) * per]
+            if not chunk:
+                continue
+            rows = [requests[ids[rid]] for rid in chunk]
+            self._outbox.put((server.identity, encode(
+                "request", step=step, version=version, request_ids=chunk, prompt_index=[r["prompt_index"] for r in rows],
+                prompt_ids=[list(r["prompt_ids"]) for r in rows], seeds=[list(r["seeds"]) for r in rows], sampling=sampling)))
+            owner.update((rid, server.identity) for rid in chunk)
+
+    def _take(self, identity, header, version, ids, owner, answers, requests) -> None:
+        """A result message: kept when it answers requests this server still owns at this version."""
+        server_id = header["server_id"]
+        if header["version"] != version or any(owner.get(rid) != identity for rid in header["request_ids"]):
+            # a lost server's late answer, or an earlier step's: its requests went elsewhere
+            self.log(f"megarl fleet: dropped a result of server {server_id} (weights version {header['version']}, "
+                     f"{len(header['request_ids'])} requests it no longer holds)")
+            return
+        by_request: dict[int, list[dict]] = {rid: [] for rid in header["request_ids"]}
+        for sample in header["samples"]:
+            if sample["request_id"] not in by_request:
+                self.log(f"megarl fleet: dropped a result of server {server_id}: sample of request "
+                         f"{sample['request_id']}, which it was not asked")
+                for rid in header["request_ids"]:
+                    owner.pop(rid, None)  # resubmitted
+                return
+            by_request[sample["request_id"]].append(sample)
+        for rid, samples in by_request.items():
+            n = len(requests[ids[rid]]["seeds"])
+            if sorted(s["sample_index"] for s in samples) != list(range(n)) or any(
+                    len(s["token_ids"]) != len(s["logprobs"]) for s in samples):
+                self.log(f"megarl fleet: dropped a result of server {server_id}: request {rid} does not have its {n} "
+                         f"samples with one log-prob per token; resubmitting its requests")
+                for r in header["request_ids"]:
+                    owner.pop(r, None)
+                return
+        for rid, samples in by_request.items():
+            answers[rid] = Answer(rid, server_id, header["version"], samples)
+
+    # ------------------------------------------------------------ the socket's thread
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        next_beat = 0.0
+        try:
+            while not self._stop.is_set():
+                while not self._outbox.empty():
+                    identity, frames = self._outbox.get()
+                    self._socket.send_multipart([identity, *frames], copy=False)
+                if poller.poll(POLL_MS):
+                    while True:
+                        try:
+                            identity, *frames = self._socket.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._receive(identity, frames)
+                now = time.monotonic()
+                if now >= next_beat:
+                    next_beat = now + self.heartbeat_s / 3
+                    self._beat(now)
+        finally:
+            self._socket.close(linger=1000)
+            self._context.term()
+
+    def _receive(self, identity: bytes, frames: list[bytes]) -> None:
+        with self._cond:
+            server = self._servers.get(identity)
+            who = f"server {server.server_id}" if server else "a peer that has not joined"
+            try:
+                header, _ = decode(frames)
+            except WireError as err:
+                self.stats.dropped_total += 1
+                self.log(f"megarl fleet: dropped a malformed message from {who}: {err}")
+                return
+            kind = header["type"]
+            if kind == "hello":
+                self._hello(identity, header)
+                return
+            if server is None:
+                self.stats.dropped_total += 1
+                if identity not in self._strangers:  # one line per peer, not one per heartbeat
+                    self._strangers.add(identity)
+                    self.log(f"megarl fleet: dropped a {kind} message from {who} (a server says hello with the run's "
+                             f"token first; a lost server joins again when it notices; further messages of this peer "
+                             f"are dropped without a line)")
+                return
+            server.last_seen = time.monotonic()
+            if kind == "ready":
+                server.version = header["version"]
+            elif kind == "result":
+                if header["tokens_per_s"] > 0:
+                    server.tokens_per_s = float(header["tokens_per_s"])
+                self._answers.append((identity, {**header, "server_id": server.server_id}))
+            elif kind == "bye":
+                del self._servers[identity]
+                self.log(f"megarl fleet: server {server.server_id} left ({header['reason']}); {len(self._servers)} joined")
+            elif kind != "heartbeat":
+                self.stats.dropped_total += 1
+                self.log(f"megarl fleet: dropped a {kind} message from {who}: servers do not send it")
+                return
+            self._cond.notify_all()
+
+    def _hello(self, identity: bytes, header: dict) -> None:
+        """The token first; a server that cannot show it gets nothing but the refusal."""
+        if not token_matches(header["token"], self.token):
+            self.stats.refused_total += 1
+            self.log(f"megarl fleet: refused server {header['server_id']!r}: wrong token")
+            self._outbox.put((identity, encode("refused", reason="wrong token: use the run's rollout.fleet.token_file")))
+            return
+        if header["engine"] != "hf":
+            self.stats.refused_total += 1
+            self.log(f"megarl fleet: refused server {header['server_id']!r}: engine {header['engine']!r} (the fleet runs hf so far)")
+            self._outbox.put((identity, encode("refused", reason=f"engine {header['engine']!r}: the fleet runs --engine hf so far")))
+            return
+        self._servers[identity] = _Server(identity, header["server_id"], time.monotonic())
+        self.stats.joined_total += 1
+        self.log(f"megarl fleet: server {header['server_id']} joined; {len(self._servers)} joined")
+        self._outbox.put((identity, self._welcome))
+        if self._weights is not None:
+            self._outbox.put((identity, self._weights[1]))
+
+    def _beat(self, now: float) -> None:
+        """Heartbeats out; servers silent for heartbeat_s are lost."""
+        with self._cond:
+            for identity, server in list(self._servers.items()):
+                if now - server.last_seen > self.heartbeat_s:
+                    del self._servers[identity]
+                    self.stats.lost_total += 1
+                    self.log(f"megarl fleet: lost server {server.server_id} (silent for {now - server.last_seen:.1f} s); "
+                             f"{len(self._servers)} left, its unfinished requests go to the others")
+                    self._cond.notify_all()
+                else:
+                    self._outbox.put((identity, encode("heartbeat", version=self.version)))

@@ -1,0 +1,202 @@
+"""A rollout server of a fleet (rollout.placement=fleet): joins a training run, generates for it.
+
+    python -m megarl.rollout.serve --trainer HOST:PORT --token-file FILE [--engine hf] [--device cpu]
+
+It connects to the trainer's fleet endpoint (megarl.fleet.endpoint), shows the run's token (the
+content of the run's rollout.fleet.token_file), receives the model config and the current weights
+and then every update, and answers the requests of each step with the built-in hf engine, each
+sample seeded as the trainer says. The socket stays on the main thread, which sends a heartbeat
+every heartbeat_s / 3 while a worker thread loads weights and generates; if the trainer falls silent
+for 3 heartbeat_s the server says so and joins again. It exits 0 when the run ends (the trainer's
+bye), 2 when refused or given bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import socket
+import sys
+import tempfile
+import threading
+import time
+
+import zmq
+
+from megarl.fleet.wire import DTYPES, WireError, decode, encode, frame_tensors
+from megarl.rollout.base import RolloutRequest, SamplingParams
+
+# tests only: seconds a server waits before generating each request, so that a kill lands mid-request
+TEST_DELAY_ENV = "MEGARL_FLEET_TEST_DELAY_S"
+
+
+class _Worker:
+    """The engine's thread: builds the engine, loads weights, generates; replies go to `outbox`."""
+
+    def __init__(self, server_id: str, device: str, log):
+        self.server_id, self.device, self.log = server_id, device, log
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.engine = None
+        self.version = 0
+        self.delay_s = float(os.environ.get(TEST_DELAY_ENV, "0") or 0)
+        self.thread = threading.Thread(target=self._run, name="megarl-serve-engine", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            kind, header, frames = self.jobs.get()
+            if kind == "stop":
+                return
+            try:
+                getattr(self, "_" + kind)(header, frames)
+            except Exception as err:  # a bad job must not end the server: the trainer resubmits elsewhere
+                self.log(f"{kind} failed: {type(err).__name__}: {err}")
+
+    def _welcome(self, header, frames) -> None:
+        from megarl.rollout.hf import HFRolloutEngine
+
+        with tempfile.TemporaryDirectory() as hf_dir:
+            with open(os.path.join(hf_dir, "config.json"), "w") as f:
+                json.dump(header["model_config"], f)
+            self.engine = HFRolloutEngine.from_hf_dir(hf_dir, dtype=DTYPES[header["dtype"]], device=self.device)
+        self.version = 0
+
+    def _weights(self, header, frames) -> None:
+        if self.engine is None:
+            raise RuntimeError("weights before the model config")
+        self.engine.load_weights(frame_tensors(header, frames))
+        self.version = self.engine.version = header["version"]
+        self.outbox.put(encode("ready", version=self.version))
+        self.log(f"weights version {self.version} loaded")
+
+    def _request(self, header, frames) -> None:
+        if header["version"] != self.version:  # the trainer asks servers at its version only; late news
+            self.log(f"dropped a request for weights version {header['version']} (holding {self.version})")
+            return
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        s = header["sampling"]
+        sampling = SamplingParams(n=1, temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"],
+                                  max_new_tokens=s["max_new_tokens"], stop_token_ids=tuple(s["stop_token_ids"]),
+                                  banned_token_ids=tuple(s["banned_token_ids"]))
+        rows = [(rid, j, RolloutRequest(tuple(ids), prompt_index=pi, step=header["step"], seed=seed))
+                for rid, pi, ids, seeds in zip(header["request_ids"], header["prompt_index"], header["prompt_ids"],
+                                               header["seeds"])
+                for j, seed in enumerate(seeds)]
+        start = time.perf_counter()
+        results = self.engine.generate([r for _, _, r in rows], sampling) if rows else []
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(r.response_token_ids) for r in results)
+        samples = [{"request_id": rid, "sample_index": j, "token_ids": list(r.response_token_ids),
+                    "logprobs": [float(x) for x in r.logprobs],
+                    "scaled_logprobs": [float(x) for x in r.scaled_logprobs] if r.scaled_logprobs is not None else [],
+                    "finish_reason": r.finish_reason}
+                   for (rid, j, _), r in zip(rows, results)]
+        self.outbox.put(encode("result", step=header["step"], version=self.version, request_ids=header["request_ids"],
+                               samples=samples, tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0))
+
+
+def serve(address: str, token: str, engine: str, server_id: str, device: str) -> int:
+    """Join the run at `address` until it ends (0) or refuses this server (2); rejoin if it falls silent."""
+    def log(message: str) -> None:
+        print(f"megarl serve {server_id}: {message}", flush=True)
+
+    worker = _Worker(server_id, device, log)
+    while True:
+        outcome = _session(address, token, engine, server_id, worker, log)
+        if outcome is not None:
+            worker.jobs.put(("stop", None, None))
+            worker.thread.join()
+            zmq.Context.instance().term()
+            return outcome
+        time.sleep(1.0)
+
+
+def _session(address, token, engine, server_id, worker: _Worker, log) -> int | None:
+    """One connection: the exit status when the run ended or refused us, None to join again."""
+    context = zmq.Context.instance()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{address}")
+    sock.send_multipart(encode("hello", token=token, server_id=server_id, engine=engine))
+    log(f"joining the trainer at {address}")
+    heartbeat_s, heard, next_beat = None, time.monotonic(), 0.0
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    try:
+        while True:
+            while not worker.outbox.empty():
+                sock.send_multipart(worker.outbox.get())
+            if poller.poll(50):
+                frames = sock.recv_multipart()
+                try:
+                    header, rest = decode(frames)
+                except WireError as err:
+                    log(f"dropped a malformed message from the trainer: {err}")
+                    continue
+                heard, kind = time.monotonic(), header["type"]
+                if kind == "refused":
+                    log(f"refused by the trainer: {header['reason']}")
+                    return 2
+                if kind == "bye":
+                    log(f"the trainer said bye ({header['reason']})")
+                    return 0
+                if kind == "welcome":
+                    heartbeat_s = float(header["heartbeat_s"])
+                    log(f"joined; building the model (heartbeat every {heartbeat_s / 3:.1f} s)")
+                if kind in ("welcome", "weights", "request"):
+                    if kind == "request":
+                        log(f"step {header['step']}: {len(header['request_ids'])} requests (weights version {header['version']})")
+                    worker.jobs.put((kind, header, rest))
+            now = time.monotonic()
+            if heartbeat_s is None:
+                continue  # not welcomed yet: the hello waits in ZeroMQ's queue until the trainer is there
+            if now - heard > 3 * heartbeat_s:
+                log(f"the trainer has been silent for {now - heard:.0f} s: joining again")
+                return None
+            if now >= next_beat:
+                next_beat = now + heartbeat_s / 3
+                sock.send_multipart(encode("heartbeat", version=worker.version))
+    finally:
+        sock.close(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megarl.rollout.serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trainer", required=True, help="HOST:PORT of the run's fleet endpoint (rollout.fleet.host/port)")
+    parser.add_argument("--token-file", required=True, help="a copy of the run's rollout.fleet.token_file")
+    parser.add_argument("--engine", default="hf", help="the rollout engine (hf; vllm is not built for fleets yet)")
+    parser.add_argument("--server-id", default=None, help="the name the trainer logs and measures (default host-pid)")
+    parser.add_argument("--device", default="cpu", help="where the engine runs (cpu, cuda, cuda:N)")
+    args = parser.parse_args(argv)
+    host, _, port = args.trainer.rpartition(":")
+    if not host or not port.isdigit():
+        print(f"megarl serve: --trainer {args.trainer!r} is not HOST:PORT: give the run's rollout.fleet.host and "
+              f"rollout.fleet.port, e.g. --trainer 127.0.0.1:29600", file=sys.stderr)
+        return 2
+    if args.engine != "hf":
+        print(f"megarl serve: --engine {args.engine} is not built for fleets yet: use --engine hf", file=sys.stderr)
+        return 2
+    try:
+        with open(args.token_file) as f:
+            token = f.read().strip()
+    except OSError as err:
+        print(f"megarl serve: cannot read --token-file {args.token_file} ({err.strerror}): copy the run's "
+              f"rollout.fleet.token_file here", file=sys.stderr)
+        return 2
+    if not token:
+        print(f"megarl serve: --token-file {args.token_file} is empty: copy the run's rollout.fleet.token_file here",
+              file=sys.stderr)
+        return 2
+    server_id = args.server_id or f"{socket.gethostname()}-{os.getpid()}"
+    # transformers' import holds the GIL for seconds: done before joining, so heartbeats are never late for it
+    import transformers  # noqa: F401
+
+    from megarl.rollout.hf import HFRolloutEngine  # noqa: F401
+    return serve(args.trainer, token, args.engine, server_id, args.device)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""rollout.placement=fleet: rollout servers outside the torchrun world generate; they join, leave and
+fail while training goes on (docs/rollout.md, "Fleet").
+
+Rank 0 of the training job opens the fleet endpoint (megarl.fleet.endpoint); servers join with
+`python -m megarl.rollout.serve`. `FleetEngine` stands where the colocated engine stands: the
+3D-HybridEngine streams the actor's full HF tensors into its `load_weights`, which publishes them
+from rank 0 to every server as the next weights version, and its `generate` hands the step's
+requests, each with its samples' seeds, to the servers holding that version. `FleetRollout` is the
+side: every training rank's prompts through rank 0, the results and the fleet's metrics back.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from megarl.fleet.endpoint import FleetEndpoint
+from megarl.fleet.wire import DTYPE_NAMES
+from megarl.rollout.base import RolloutRequest, RolloutResult, SamplingParams, expand_samples
+from megarl.platform.process_groups import all_gather_object
+from megarl.rollout_side.base import StepSamples, WeightHandOver
+from megarl.step.samples import Sample
+
+
+def run_token(token_file: str, run_dir: str, log=print) -> str:
+    """The run's token: rollout.fleet.token_file's content (relative paths under trainer.run_dir),
+    created with a fresh random token, readable by its owner only, when missing."""
+    path = Path(token_file) if os.path.isabs(token_file) else Path(run_dir) / token_file
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        token = path.read_text().strip()
+        if not token:
+            raise ValueError(f"rollout.fleet.token_file {path} is empty: delete it (a fresh token is written) or put the "
+                             f"run's token in it") from None
+        return token
+    token = secrets.token_hex(32)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    log(f"megarl fleet: wrote a new run token to {path} (servers need a copy: --token-file)")
+    return token
+
+
+class FleetEngine:
+    """The trainer's handle on the fleet, as a RolloutEngine: weights out, results in. Only rank 0
+    holds the endpoint (`endpoint` None elsewhere); the other ranks consume the weight stream, which
+    is collective, and reach the fleet through rank 0 (`FleetRollout.generate`)."""
+
+    def __init__(self, endpoint: FleetEndpoint | None, min_servers: int):
+        self.endpoint, self.min_servers = endpoint, min_servers
+        self.version = 0  # weights versions published, 1 for the first
+        self.record_routes = False
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
+        """The stream's full HF tensors to every server as the next weights version (from rank 0)."""
+        self.version += 1
+        if self.endpoint is None:
+            return {name for name, _ in weights}
+        named = [(name, tensor.detach().to("cpu").clone()) for name, tensor in weights]
+        self.endpoint.publish(self.version, named)
+        return {name for name, _ in named}
+
+    def generate(self, requests: list[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
+        """len(requests) * n results, prompt-major, each seeded as the colocated engine seeds it (rank 0)."""
+        if not requests:
+            return []
+        specs = expand_samples(requests, sampling)
+        rows = [{"prompt_index": req.prompt_index, "prompt_ids": list(req.prompt_token_ids),
+                 "seeds": [s.seed for s in specs[i * sampling.n:(i + 1) * sampling.n]]} for i, req in enumerate(requests)]
+        wire_sampling = {"temperature": float(sampling.temperature), "top_p": float(sampling.top_p), "top_k": int(sampling.top_k),
+                         "max_new_tokens": int(sampling.max_new_tokens), "stop_token_ids": list(sampling.stop_token_ids),
+                         "banned_token_ids": list(sampling.banned_token_ids)}
+        answers = self.endpoint.run(requests[0].step, rows, wire_sampling, self.min_servers)
+        results = []
+        for i, req in enumerate(requests):
+            answer = answers[i]
+            for sample in sorted(answer.samples, key=lambda s: s["sample_index"]):
+                tokens = sample["token_ids"]
+                results.append(RolloutResult(req.prompt_index, sample["sample_index"], tokens, sample["logprobs"],
+                                             sample["finish_reason"], sample["scaled_logprobs"] or None,
+                                             versions=[answer.version] * len(tokens), server=answer.server_id))
+        return results
+
+    def metrics(self) -> dict[str, float]:
+        return self.endpoint.stats.metrics()
+
+    def release_memory(self) -> None:
+        pass
+
+    def resume_memory(self) -> None:
+        pass
+
+
+class FleetRollout:
+    """The fleet side. Every training rank calls `samples` / `generate` together: the first rank of
+    each model-parallel group puts its DP batch's requests in, rank 0 hands all of them to the fleet,
+    and every rank takes its prompts' results back (with rank 0's fleet/ metrics)."""
+
+    def __init__(self, engine: FleetEngine, weight_path: str, hand_over: WeightHandOver, dispatch, data,
+                 sampling: SamplingParams, to_samples, world_size: int):
+        self.engine, self.weight_path, self._hand_over = engine, weight_path, hand_over
+        self.dispatch, self.data, self.sampling, self._to_samples = dispatch, data, sampling, to_samples
+        self.world_size = world_size
+        self._metrics: dict[str, float] = {}
+
+    def hand_over(self, step: int):
+        return self._hand_over(self.engine)
+
+    def samples(self, step: int) -> StepSamples:
+        samples = self.generate(self.data.next_step(), self.sampling, step)
+        return StepSamples(samples, metrics=dict(self._metrics))
+
+    def generate(self, prompts, sampling: SamplingParams, step: int) -> list[Sample]:
+        """sampling.n responses to each of this DP rank's prompts, prompt-major (collective over the
+        training ranks: a rank without prompts still calls it)."""
+        mine = [RolloutRequest(tuple(p.prompt_ids), prompt_index=p.global_index, step=step) for p in prompts]
+        # the ranks of a model-parallel group hold the same prompts: its first rank speaks for it
+        shares = all_gather_object(mine if self.dispatch.mp_rank == 0 else [], self.world_size, None)
+        payload = [None]
+        if self.engine.endpoint is not None:  # rank 0
+            results = self.engine.generate([r for share in shares for r in share], sampling)
+            payload = [(results, self.engine.metrics())]
+        if self.world_size > 1:
+            dist.broadcast_object_list(payload, src=0)
+        results, self._metrics = payload[0]
+        wanted = {r.prompt_index for r in mine}
+        return self._to_samples(prompts, [r for r in results if r.prompt_index in wanted], sampling)
+
+    def release_memory(self) -> None:
+        pass
+
+    def delta_copy_bytes(self) -> int:
+        return self._hand_over.hybrid.delta_copy_bytes()
+
+    def data_state(self, current: dict) -> dict:
+        return current
+
+    def close(self) -> None:
+        if self.engine.endpoint is not None:
+            self.engine.endpoint.close()
+
+
+def open_fleet(cfg, model_dir: str, dtype: torch.dtype, rank: int, log=print) -> FleetEngine:
+    """rollout.fleet's endpoint on rank 0 (bound to rollout.fleet.host only) and the engine over it."""
+    f = cfg.rollout.fleet
+    if rank != 0:
+        return FleetEngine(None, f.min_servers)
+    token = run_token(f.token_file, cfg.trainer.run_dir, log)
+    with open(Path(model_dir) / "config.json") as file:
+        model_config = json.load(file)
+    endpoint = FleetEndpoint(f.host, f.port, token, f.heartbeat_s, model_config, DTYPE_NAMES[dtype], log=log)
+    log(f"megarl fleet: endpoint open on {endpoint.address}; start servers with `python -m megarl.rollout.serve "
+        f"--trainer {endpoint.address} --token-file <a copy of rollout.fleet.token_file>`")
+    return FleetEngine(endpoint, f.min_servers)

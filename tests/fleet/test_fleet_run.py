@@ -1,0 +1,122 @@
+"""rollout.placement=fleet end to end on 127.0.0.1 (issue 41): a one-process trainer, two rollout
+servers, one killed (SIGKILL) in the middle of step 2's requests, a new one started while step 3
+waits for rollout.fleet.min_servers, and a server with the wrong token refused meanwhile.
+
+The run exits 0; fleet/servers reads 2, 1, 2; every prompt of every step is trained once; and since a
+sample is a function of the weights, the prompt and its seed, the resubmitted requests come back as
+they would have: the run's metrics and trained samples equal the colocated run's at the same seed."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "tests" / "trainer"))
+from ppo_helpers import read_metrics, reference_run, shared_overrides  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
+STEPS = 3
+COMMON = {"trainer.total_steps": STEPS, "tracking.sample_ids": "true"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout_s: float = 240.0) -> None:
+    """Until `text` appears in the file `path` (a process's output); fails if `proc` ends first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"{proc.args[:4]} exited {proc.returncode} before {text!r}:\n{path.read_text()[-4000:]}")
+        time.sleep(0.05)
+    pytest.fail(f"no {text!r} in {path} within {timeout_s} s:\n{path.read_text()[-4000:]}")
+
+
+def test_fleet_survives_a_lost_server_and_equals_the_colocated_run(tmp_path):
+    run_dir, port = tmp_path / "fleet", _free_port()
+    overrides = shared_overrides(run_dir, **COMMON, **{
+        "rollout.placement": "fleet", "rollout.fleet.port": port, "rollout.fleet.heartbeat_s": 5,
+        "rollout.fleet.min_servers": 2})
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    procs: list[subprocess.Popen] = []
+
+    def start(args: list[str], log: Path, extra_env: dict | None = None) -> subprocess.Popen:
+        out = open(log, "w")
+        proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env={**env, **(extra_env or {})}, stdout=out,
+                                stderr=subprocess.STDOUT)
+        out.close()
+        procs.append(proc)
+        return proc
+
+    def server(name: str, token_file: Path, extra_env: dict | None = None) -> subprocess.Popen:
+        return start(["-m", "megarl.rollout.serve", "--trainer", f"127.0.0.1:{port}", "--token-file", str(token_file),
+                      "--server-id", name], tmp_path / f"{name}.log", extra_env)
+
+    try:
+        trainer_log = tmp_path / "trainer.log"
+        trainer = start(["launch/ppo.py", "--config", "configs/tiny_cpu.yaml", *overrides], trainer_log)
+        _wait_for(trainer_log, "megarl fleet: endpoint open", trainer)
+        token_file = run_dir / "fleet.token"
+        assert oct(token_file.stat().st_mode & 0o777) == "0o600"
+        wrong = tmp_path / "wrong.token"
+        wrong.write_text("not-the-token\n")
+        # a: slow on purpose (each request waits 2 s), so the kill lands mid-request
+        a = server("a", token_file, {"MEGARL_FLEET_TEST_DELAY_S": "2"})
+        server("b", token_file)
+        intruder = server("intruder", wrong)
+        _wait_for(tmp_path / "a.log", "step 2:", a)
+        a.send_signal(signal.SIGKILL)
+        _wait_for(trainer_log, "step 3: waiting for rollout servers: 1 of 2", trainer)
+        server("c", token_file)
+        assert trainer.wait(timeout=300) == 0, trainer_log.read_text()[-4000:]
+        assert intruder.wait(timeout=60) == 2
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    log = trainer_log.read_text()
+    assert "megarl fleet: refused server 'intruder': wrong token" in log
+    assert "megarl fleet: lost server a (silent for" in log
+
+    metrics = read_metrics(run_dir)
+    assert [m["fleet/servers"] for m in metrics] == [2, 1, 2]
+    last = metrics[-1]
+    assert (last["fleet/lost_total"], last["fleet/joined_total"], last["fleet/refused_total"]) == (1, 3, 1)
+    assert last["fleet/resubmitted_total"] == 4  # a's half of step 2's 8 prompts
+    assert {"fleet/tokens_per_s/b", "fleet/tokens_per_s/c"} <= set(last)
+
+    # every prompt of every step trained once, each sample named with its server and weights version
+    steps = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    for line, servers in zip(steps, ({"a", "b"}, {"b"}, {"b", "c"})):
+        keys = [(r[1], r[2]) for r in line["samples"]]
+        assert sorted(keys) == [(p, j) for p in range(8) for j in range(4)]
+        assert {r[4] for r in line["samples"]} == servers  # a's step-2 requests were finished by b
+        assert all(set(r[3]) == {line["step"]} for r in line["samples"])  # weights version = step here
+
+    # the colocated run at the same seed: the same samples and the same metrics
+    reference = reference_run(0, **COMMON)
+    ref_steps = [json.loads(line) for line in (reference / "samples.jsonl").read_text().splitlines()]
+    assert [[r[:3] for r in s["samples"]] for s in steps] == [[r[:3] for r in s["samples"]] for s in ref_steps]
+    for fleet_row, ref_row in zip(metrics, read_metrics(reference), strict=True):
+        compared = [k for k in ref_row if k in fleet_row and isinstance(ref_row[k], (int, float))
+                    and not k.startswith(("timing_s/", "perf/", "memory/", "throughput/"))]
+        assert len(compared) > 30
+        for key in compared:
+            assert fleet_row[key] == pytest.approx(ref_row[key], abs=1e-6), key

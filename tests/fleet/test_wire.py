@@ -1,0 +1,220 @@
+"""The fleet's wire format, the endpoint's door and its resubmission, the fleet's config rules
+(rollout.placement=fleet, issue 41), in one process with fake servers."""
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from megarl.fleet.endpoint import FleetEndpoint
+from megarl.fleet.wire import WireError, decode, encode, frame_tensors, tensor_frames, token_matches
+
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 4, "stop_token_ids": [2], "banned_token_ids": []}
+
+
+def test_messages_round_trip():
+    frames = encode("request", step=3, version=2, request_ids=[7, 8], prompt_index=[0, 1], prompt_ids=[[5, 6], [7]],
+                    seeds=[[11, 12], [13, 14]], sampling=SAMPLING)
+    header, rest = decode(frames)
+    assert header == {"type": "request", "step": 3, "version": 2, "request_ids": [7, 8], "prompt_index": [0, 1],
+                      "prompt_ids": [[5, 6], [7]], "seeds": [[11, 12], [13, 14]], "sampling": SAMPLING}
+    assert rest == []
+
+
+def test_weights_round_trip_every_dtype_bitwise():
+    named = [("a", torch.randn(3, 4)), ("b", torch.randn(5).to(torch.bfloat16)), ("c", torch.arange(6).reshape(2, 3)),
+             ("empty", torch.zeros(0, 2))]
+    entries, frames = tensor_frames(named)
+    header, rest = decode(encode("weights", frames, version=1, tensors=entries))
+    back = frame_tensors(header, rest)
+    assert [n for n, _ in back] == ["a", "b", "c", "empty"]
+    for (_, x), (_, y) in zip(named, back):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+def _header(**fields) -> bytes:
+    return msgpack.packb(fields, use_bin_type=True)
+
+
+@pytest.mark.parametrize("frames, reason", [
+    ([], "empty message"),
+    ([b"\xc1not msgpack"], "header is not msgpack"),
+    ([_header(type="pickle", data=b"x")], "unknown message type 'pickle'"),
+    ([msgpack.packb([1, 2])], "header is a list, not a map"),
+    ([_header(type="hello", token="t", server_id="s")], "hello: missing field 'engine'"),
+    ([_header(type="hello", token="t", server_id="s", engine="hf", extra=1)], "hello: unknown field 'extra'"),
+    ([_header(type="heartbeat", version="1")], "heartbeat: field 'version' has the wrong type (str)"),
+    ([_header(type="heartbeat", version=True)], "heartbeat: field 'version' has the wrong type (bool)"),
+    ([_header(type="heartbeat", version=1), b"x"], "heartbeat carries 1 extra frames"),
+    ([_header(type="weights", version=1, tensors=[{"name": "w", "dtype": "float32", "shape": [2]}]), b"abc"],
+     "weights: tensor 'w' is 3 bytes, its shape and dtype say 8"),
+    ([_header(type="weights", version=1, tensors=[{"name": "w", "dtype": "object", "shape": [1]}]), b"x"],
+     "weights: tensor 'w' has dtype 'object'"),
+    ([_header(type="weights", version=1, tensors=[])] + [b"x"], "weights: 0 tensor entries but 1 frames"),
+    ([_header(type="request", step=1, version=1, request_ids=[1], prompt_index=[0], prompt_ids=[[1]], seeds=[],
+              sampling=SAMPLING)], "request: request_ids, prompt_index, prompt_ids and seeds differ in length"),
+    ([_header(type="result", step=1, version=1, request_ids=[1], samples=[{"request_id": 1}], tokens_per_s=1.0)],
+     "result.samples[]: missing field 'sample_index'"),
+])
+def test_malformed_messages_name_their_reason(frames, reason):
+    with pytest.raises(WireError) as err:
+        decode(frames)
+    assert reason in str(err.value)
+
+
+def test_token_check():
+    assert token_matches("abc", "abc") and not token_matches("abd", "abc") and not token_matches("", "abc")
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _recv(sock, timeout_s: float = 5.0, skip_heartbeats: bool = False):
+    """The next message's header (None within timeout_s); the endpoint's heartbeats skipped if asked."""
+    deadline = time.monotonic() + timeout_s
+    while sock.poll(max(int((deadline - time.monotonic()) * 1000), 0)):
+        header = decode(sock.recv_multipart())[0]
+        if not (skip_heartbeats and header["type"] == "heartbeat"):
+            return header
+    return None
+
+
+def test_endpoint_refuses_a_wrong_token_and_drops_malformed_messages():
+    """A server with the wrong token gets the refusal and nothing else; malformed messages are
+    dropped with one log line each; a server with the token gets the welcome and the weights."""
+    lines: list[str] = []
+    port = _port()
+    endpoint = FleetEndpoint("127.0.0.1", port, "s3cret", 30.0, {"model_type": "llama"}, "float32", log=lines.append)
+    endpoint.publish(1, [("w", torch.ones(2))])
+    context = zmq.Context.instance()
+    socks = []
+    try:
+        intruder = context.socket(zmq.DEALER)
+        socks.append(intruder)
+        intruder.connect(f"tcp://127.0.0.1:{port}")
+        intruder.send_multipart(encode("hello", token="guess", server_id="intruder", engine="hf"))
+        assert _recv(intruder) == {"type": "refused", "reason": "wrong token: use the run's rollout.fleet.token_file"}
+        intruder.send_multipart([b"\x93garbage"])  # malformed: dropped with a line
+        intruder.send_multipart(encode("heartbeat", version=1))  # well-formed but not joined: dropped
+        assert _recv(intruder, 1.0) is None  # nothing else comes back: no config, no weights
+        server = context.socket(zmq.DEALER)
+        socks.append(server)
+        server.connect(f"tcp://127.0.0.1:{port}")
+        server.send_multipart(encode("hello", token="s3cret", server_id="good", engine="hf"))
+        welcome = _recv(server)
+        assert welcome["type"] == "welcome" and welcome["model_config"] == {"model_type": "llama"}
+        frames = server.recv_multipart()
+        header, rest = decode(frames)
+        assert header["type"] == "weights" and header["version"] == 1
+        assert torch.equal(frame_tensors(header, rest)[0][1], torch.ones(2))
+        deadline = time.monotonic() + 5
+        while len([line for line in lines if "dropped" in line]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        for sock in socks:
+            sock.close(0)
+        endpoint.close()
+    assert "megarl fleet: refused server 'intruder': wrong token" in lines
+    assert any("dropped a malformed message from a peer that has not joined: header is not msgpack" in line for line in lines)
+    assert any("dropped a heartbeat message from a peer that has not joined" in line for line in lines)
+    stats = endpoint.stats
+    assert (stats.refused_total, stats.joined_total, stats.dropped_total) == (1, 1, 2)
+
+
+@pytest.mark.parametrize("overrides, world_size, message", [
+    (["rollout.engine=vllm"], 1, "rollout.placement=fleet runs servers with rollout.engine=hf so far, got vllm"),
+    (["async.max_staleness=1"], 1, "rollout.placement=fleet is synchronous so far"),
+    (["rollout.num_ranks=1"], 1, "rollout.num_ranks = 1 applies to rollout.placement=separate only"),
+    (["actor.routing_replay=true"], 1, "rollout.placement=fleet does not run actor.routing_replay yet"),
+    (["rollout.fleet.host=10.0.0.0/24"], 1, "is not an interface address or name"),
+])
+def test_fleet_config_refusals(overrides, world_size, message):
+    """What the fleet does not run yet is one line naming the key and the way out."""
+    from megarl.config import load_config
+    from megarl.config.schema import ConfigError
+    from megarl.config.validation import validate
+
+    with pytest.raises(ConfigError) as err:  # load_config checks values; validate with a world size the layout
+        validate(load_config("configs/tiny_cpu.yaml", ["rollout.placement=fleet", *overrides]), world_size)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_fleet_config_defaults_bind_loopback():
+    from megarl.config import load_config
+    from megarl.config.validation import validate
+
+    cfg = load_config("configs/tiny_cpu.yaml", ["rollout.placement=fleet"])
+    validate(cfg, 1)
+    assert (cfg.rollout.fleet.host, cfg.rollout.fleet.min_servers) == ("127.0.0.1", 1)
+
+
+def _answer(header: dict, drop_one: bool = False) -> list[bytes]:
+    """A fake server's result for a request: one token per sample, its seed mod 7."""
+    samples = [{"request_id": rid, "sample_index": j, "token_ids": [seed % 7], "logprobs": [-0.5], "scaled_logprobs": [-0.4],
+                "finish_reason": "length"}
+               for rid, seeds in zip(header["request_ids"], header["seeds"]) for j, seed in enumerate(seeds)]
+    return encode("result", step=header["step"], version=header["version"], request_ids=header["request_ids"],
+                  samples=samples[:-1] if drop_one else samples, tokens_per_s=100.0)
+
+
+def test_endpoint_resubmits_a_lost_servers_requests_and_drops_its_late_answer():
+    """Two fake servers; s2 falls silent holding its chunk: after heartbeat_s its requests go to s1
+    with the same seeds, and s2's late answer is dropped. A result missing a sample is dropped and
+    its requests handed out again."""
+    import threading
+
+    lines: list[str] = []
+    port = _port()
+    endpoint = FleetEndpoint("127.0.0.1", port, "tok", 1.0, {}, "float32", log=lines.append)
+    endpoint.publish(1, [("w", torch.zeros(1))])
+    context = zmq.Context.instance()
+    s1, s2 = context.socket(zmq.DEALER), context.socket(zmq.DEALER)
+    out: dict = {}
+    try:
+        for name, sock in (("s1", s1), ("s2", s2)):
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            sock.send_multipart(encode("hello", token="tok", server_id=name, engine="hf"))
+            assert _recv(sock, skip_heartbeats=True)["type"] == "welcome"
+            assert _recv(sock, skip_heartbeats=True)["type"] == "weights"
+            sock.send_multipart(encode("ready", version=1))
+        requests = [{"prompt_index": i, "prompt_ids": [1, i], "seeds": [10 * i, 10 * i + 1]} for i in range(4)]
+        runner = threading.Thread(target=lambda: out.update(endpoint.run(1, requests, SAMPLING, min_servers=2)))
+        runner.start()
+        first1, first2 = _recv(s1, skip_heartbeats=True), _recv(s2, skip_heartbeats=True)
+        assert first1["type"] == first2["type"] == "request"
+        assert first1["prompt_index"] == [0, 1] and first2["prompt_index"] == [2, 3]
+        s1.send_multipart(_answer(first1))
+        chunks, malformed_sent = [], False
+        deadline = time.monotonic() + 20
+        while runner.is_alive() and time.monotonic() < deadline:  # s1 beats on; s2 stays silent
+            s1.send_multipart(encode("heartbeat", version=1))
+            if s1.poll(200):
+                header, _ = decode(s1.recv_multipart())
+                if header["type"] == "request":
+                    chunks.append(header)
+                    s1.send_multipart(_answer(header, drop_one=not malformed_sent))
+                    malformed_sent = True
+        s2.send_multipart(_answer(first2))  # too late: its requests were answered by s1
+        runner.join(timeout=5)
+        time.sleep(0.3)
+    finally:
+        s1.close(0)
+        s2.close(0)
+        endpoint.close()
+    assert not runner.is_alive() and sorted(out) == [0, 1, 2, 3]
+    assert [c["prompt_index"] for c in chunks] == [[2, 3], [2, 3]]  # resubmitted, then again after the bad result
+    assert chunks[0]["seeds"] == first2["seeds"]  # the same seeds wherever they run
+    assert {out[i].server_id for i in range(4)} == {"s1"}
+    assert [s["token_ids"] for s in out[2].samples] == [[20 % 7], [21 % 7]]
+    assert any(line.startswith("megarl fleet: lost server s2") for line in lines)
+    assert any("does not have its 2 samples" in line for line in lines)
+    assert any(line.startswith("megarl fleet: dropped a result message from a peer that has not joined") for line in lines)
+    assert (endpoint.stats.lost_total, endpoint.stats.resubmitted_total, endpoint.stats.servers) == (1, 2, 1)
