@@ -55,7 +55,7 @@ class _Worker:
                 self.log(f"{kind} failed: {type(err).__name__}: {err}")
 
     def _welcome(self, header, frames) -> None:
-        from megarl.rollout.hf import HFRolloutEngine
+        from megarl.rollout.hf import HFRolloutEngine  # deferred: torch and transformers, after the argument checks
 
         with tempfile.TemporaryDirectory() as hf_dir:
             with open(os.path.join(hf_dir, "config.json"), "w") as f:
@@ -191,9 +191,9 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     server_id = args.server_id or f"{socket.gethostname()}-{os.getpid()}"
-    # transformers' import holds the GIL for seconds: done before joining, so heartbeats are never late for it
+    # deferred: transformers' import holds the GIL for seconds: done after the argument checks and
+    # before joining, so heartbeats are never late for it
     import transformers  # noqa: F401
-
     from megarl.rollout.hf import HFRolloutEngine  # noqa: F401
     return serve(args.trainer, token, args.engine, server_id, args.device)
 
