@@ -19,8 +19,9 @@ in one line, by rank 0 (by the first rank while no process group exists yet), th
 raised on every rank: launch/ppo.py exits 2.
 
 Imports are staged on purpose: the warnings filter goes on before Megatron loads, and the config is
-checked (exit 2 within about a second) before torch.distributed, Megatron and the trainer are
-imported, so the heavy imports sit inside the methods that need them.
+checked (exit 2 within about a second) before a process group starts and before Megatron and the
+trainer are imported (torch is, by the warnings filter of megarl.platform), so the heavy imports sit
+inside the methods that need them.
 """
 from __future__ import annotations
 
