@@ -1,14 +1,17 @@
-"""Separate placement and the asynchronous schedule against colocated, on the same ranks.
+"""Separate placement, the asynchronous schedule and the rollout fleet against colocated, on the same cores.
 
     python benchmarks/async_rl.py --out benchmarks/results/async_rl_cpu.json [--steps 8] [key=value ...]
 
-One run of four launches per round of the CPU demo (configs/tiny_cpu.yaml) on 2 processes with fixed-length
+One launch of each mode per round of the CPU demo (configs/tiny_cpu.yaml) on 2 processes with fixed-length
 responses (rollout.ignore_eos): colocated-sync (DP 2, the ranks take turns), separate-sync (1
-training + 1 rollout rank, K = 0) and separate-async (K = 1, 2). Writes samples/s of each (responses
+training + 1 rollout rank, K = 0), separate-async (K = 1, 2) and the fleet (rollout.placement=fleet: one
+training process and 1 or 2 rollout servers, each process one thread as each torchrun rank is). Writes samples/s of each (responses
 over the summed step times after the warm-up step), the ratios separate_async_over_separate_sync and
 separate_async_over_colocated_sync (the best K), each group's idle fraction (trainer: time waiting
 for samples; rollout rank: 1 - generating time over the steps' time; colocated ranks do both phases
 in turn, so the rollout phase's share of the step is reported for them), and the staleness seen.
+fleet_1_over_separate_sync and fleet_2_over_separate_sync compare the fleet with the placement it
+replaces (both synchronous; at 2 servers on 2 cores generation has both cores while training waits).
 The defaults make generation and training cost about the same on the split ranks: separate-sync's
 `busy_s_per_step` (the training rank's step less its wait for samples; the rollout rank's generating
 seconds) are in the result so that balance can be checked (at balance the overlap can at most halve
@@ -26,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
@@ -46,17 +50,61 @@ DEFAULTS = {"rollout.ignore_eos": "true", "rollout.max_new_tokens": 12, "data.pr
 MODES = {"colocated_sync": {},
          "separate_sync": {"rollout.placement": "separate", "rollout.num_ranks": 1},
          "separate_async_k1": {"rollout.placement": "separate", "rollout.num_ranks": 1, "async.max_staleness": 1},
-         "separate_async_k2": {"rollout.placement": "separate", "rollout.num_ranks": 1, "async.max_staleness": 2}}
+         "separate_async_k2": {"rollout.placement": "separate", "rollout.num_ranks": 1, "async.max_staleness": 2},
+         # one training process and 1 or 2 rollout servers (python -m megarl.rollout.serve) joined to it
+         "fleet_1": {"rollout.placement": "fleet", "rollout.fleet.min_servers": 1},
+         "fleet_2": {"rollout.placement": "fleet", "rollout.fleet.min_servers": 2}}
+FLEET_SERVERS = {"fleet_1": 1, "fleet_2": 2}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(mode: str, cmd: list[str], run_dir: Path, env: dict, address: str = "") -> None:
+    """The trainer's launch to its end; under a fleet mode its servers beside it, joined with the token
+    the trainer writes, each one process of one thread (as each rank of the torchrun modes is)."""
+    if mode not in FLEET_SERVERS:
+        subprocess.run(cmd, cwd=REPO, check=True, env=env, stdout=subprocess.DEVNULL)
+        return
+    env = {**env, "OMP_NUM_THREADS": "1"}
+    trainer = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+    token, servers = run_dir / "fleet.token", []
+    try:
+        while not (token.is_file() and token.read_text().strip()):
+            if trainer.poll() is not None:
+                raise subprocess.CalledProcessError(trainer.returncode, cmd)
+            time.sleep(0.1)
+        servers = [subprocess.Popen([sys.executable, "-m", "megarl.rollout.serve", "--trainer", address,
+                                     "--token-file", str(token), "--server-id", f"s{k}"],
+                                    cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+                   for k in range(FLEET_SERVERS[mode])]
+        if trainer.wait() != 0:
+            raise subprocess.CalledProcessError(trainer.returncode, cmd)
+        for server in servers:
+            server.wait(timeout=60)  # they leave at the trainer's bye
+    finally:
+        for proc in (trainer, *servers):
+            if proc.poll() is None:
+                proc.kill()
 
 
 def run(mode: str, root: Path, run_dir: Path, steps: int, extra: list[str]) -> dict:
     overrides = {**DEFAULTS, **MODES[mode], "trainer.run_dir": run_dir, "trainer.total_steps": steps,
                  "model.path": root / "model", "data.train_files": f"[{root / 'train.parquet'}]",
                  "data.val_files": f"[{root / 'test.parquet'}]"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "launch/ppo.py",
+    address = ""
+    if mode in FLEET_SERVERS:
+        port = _free_port()
+        overrides.update({"rollout.fleet.host": "127.0.0.1", "rollout.fleet.port": port})
+        address = f"127.0.0.1:{port}"
+    nproc = 1 if mode in FLEET_SERVERS else 2  # a fleet's trainer trains only: its servers are the second process
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "launch/ppo.py",
            "--config", "configs/tiny_cpu.yaml", *[f"{k}={v}" for k, v in overrides.items()], *extra]
     load_before = os.getloadavg()[0]
-    subprocess.run(cmd, cwd=REPO, check=True, env=dict(os.environ, PYTHONWARNINGS="ignore"), stdout=subprocess.DEVNULL)
+    _launch(mode, cmd, run_dir, dict(os.environ, PYTHONWARNINGS="ignore"), address)
     rows = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "event" not in r]
     measured = rows[1:]  # after the warm-up step
     seconds = sum(r["timing_s/step"] for r in measured)
@@ -80,6 +128,8 @@ def run(mode: str, root: Path, run_dir: Path, steps: int, extra: list[str]) -> d
                             "dropped": sum(r["async/dropped_stale"] for r in rows)}
     else:
         out["rollout_phase_share"] = round(sum(r["timing_s/gen"] for r in measured) / seconds, 4)
+    if mode in FLEET_SERVERS:
+        out["fleet_servers"] = sorted({r["fleet/servers"] for r in rows})
     return out
 
 
@@ -103,6 +153,17 @@ def summarize(rounds: list[dict]) -> dict:
     out["separate_async_over_separate_sync"] = ratio("separate_sync")
     if "colocated_sync" in modes:
         out["separate_async_over_colocated_sync"] = ratio("colocated_sync")
+    return out
+
+
+def fleet_ratios(rounds: list[dict]) -> dict:
+    """Each fleet mode's samples/s over separate-sync's (the median of the rounds' ratios): the fleet
+    is synchronous so far, so separate-sync is what it replaces."""
+    out = {}
+    for mode in FLEET_SERVERS:
+        if all(mode in r and "separate_sync" in r for r in rounds):
+            out[f"{mode}_over_separate_sync"] = round(statistics.median(
+                r[mode]["samples_per_s"] / r["separate_sync"]["samples_per_s"] for r in rounds), 3)
     return out
 
 
@@ -138,6 +199,7 @@ def main() -> int:
                     "load_average_at_end": os.getloadavg()[0]},
         "settings": {**DEFAULTS, "nproc": 2, "steps": args.steps},
         **summarize(rounds),
+        **fleet_ratios(rounds),
     }
     write_result(result, args.out)
     return 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import queue
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -96,7 +97,9 @@ class FleetEndpoint:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._stop = threading.Event()
-        self._ids = itertools.count(1)
+        # request ids start at a random point: a server's late answer to an earlier trainer of the run
+        # (one killed and restarted) never matches a request of this one
+        self._ids = itertools.count(secrets.randbits(48))
         self._thread = threading.Thread(target=self._loop, name="megarl-fleet", daemon=True)
         self._thread.start()
 

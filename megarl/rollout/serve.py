@@ -7,7 +7,8 @@ content of the run's rollout.fleet.token_file), receives the model config and th
 and then every update, and answers the requests of each step with the built-in hf engine, each
 sample seeded as the trainer says. The socket stays on the main thread, which sends a heartbeat
 every heartbeat_s / 3 while a worker thread loads weights and generates; if the trainer falls silent
-for 3 heartbeat_s the server says so and joins again. It exits 0 when the run ends (the trainer's
+for 3 heartbeat_s, or closes the connection (a trainer that died), the server says so and joins
+again, keeping its engine: a trainer restarted under `torchrun --max-restarts` finds its servers back. It exits 0 when the run ends (the trainer's
 bye), 2 when refused or given bad arguments.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ import threading
 import time
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from megarl.fleet.wire import DTYPES, WireError, decode, encode, frame_tensors
 from megarl.rollout.base import RolloutRequest, SamplingParams
@@ -39,6 +41,7 @@ class _Worker:
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
         self.engine = None
+        self.built_for = None  # (model config, dtype) of the engine
         self.version = 0
         self.delay_s = float(os.environ.get(TEST_DELAY_ENV, "0") or 0)
         self.thread = threading.Thread(target=self._run, name="megarl-serve-engine", daemon=True)
@@ -57,10 +60,17 @@ class _Worker:
     def _welcome(self, header, frames) -> None:
         from megarl.rollout.hf import HFRolloutEngine  # deferred: torch and transformers, after the argument checks
 
-        with tempfile.TemporaryDirectory() as hf_dir:
-            with open(os.path.join(hf_dir, "config.json"), "w") as f:
-                json.dump(header["model_config"], f)
-            self.engine = HFRolloutEngine.from_hf_dir(hf_dir, dtype=DTYPES[header["dtype"]], device=self.device)
+        # the server keeps its engine when it joins again (a restarted trainer, a link back up): the
+        # same model needs no rebuild, only the weights the trainer sends next
+        built_for = (header["model_config"], header["dtype"])
+        if self.engine is None or self.built_for != built_for:
+            with tempfile.TemporaryDirectory() as hf_dir:
+                with open(os.path.join(hf_dir, "config.json"), "w") as f:
+                    json.dump(header["model_config"], f)
+                self.engine = HFRolloutEngine.from_hf_dir(hf_dir, dtype=DTYPES[header["dtype"]], device=self.device)
+            self.built_for = built_for
+        else:
+            self.log("kept the engine built for this model; waiting for weights")
         self.version = 0
 
     def _weights(self, header, frames) -> None:
@@ -119,17 +129,27 @@ def _session(address, token, engine, server_id, worker: _Worker, log) -> int | N
     context = zmq.Context.instance()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    # a trainer that dies closes the connection (its kernel does): the server joins again at once, and
+    # its hello waits in ZeroMQ's queue until a restarted trainer binds; a cut link closes nothing and
+    # is noticed by the trainer's silence instead
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     sock.connect(f"tcp://{address}")
     sock.send_multipart(encode("hello", token=token, server_id=server_id, engine=engine))
     log(f"joining the trainer at {address}")
     heartbeat_s, heard, next_beat = None, time.monotonic(), 0.0
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
     try:
         while True:
             while not worker.outbox.empty():
                 sock.send_multipart(worker.outbox.get())
-            if poller.poll(50):
+            ready = dict(poller.poll(50))
+            if monitor in ready:
+                recv_monitor_message(monitor)
+                log("the trainer closed the connection: joining again")
+                return None
+            if sock in ready:
                 frames = sock.recv_multipart()
                 try:
                     header, rest = decode(frames)
@@ -160,6 +180,8 @@ def _session(address, token, engine, server_id, worker: _Worker, log) -> int | N
                 next_beat = now + heartbeat_s / 3
                 sock.send_multipart(encode("heartbeat", version=worker.version))
     finally:
+        sock.disable_monitor()
+        monitor.close(0)
         sock.close(0)
 
 

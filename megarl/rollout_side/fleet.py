@@ -53,7 +53,7 @@ class FleetEngine:
 
     def __init__(self, endpoint: FleetEndpoint | None, min_servers: int):
         self.endpoint, self.min_servers = endpoint, min_servers
-        self.version = 0  # weights versions published, 1 for the first
+        self.version = 0  # the last weights version published: FleetRollout.hand_over's step
         self.record_routes = False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
@@ -109,6 +109,10 @@ class FleetRollout:
         self._metrics: dict[str, float] = {}
 
     def hand_over(self, step: int):
+        # a new version at every hand-over and never below the step's number: a step's samples carry
+        # version `step` (validation's hand-over after it takes the next number), also after a
+        # trainer restarted from a checkpoint, whose first hand-over would otherwise be version 1
+        self.engine.version = max(self.engine.version, step - 1)
         return self._hand_over(self.engine)
 
     def samples(self, step: int) -> StepSamples:

@@ -75,7 +75,9 @@ def test_layout_matches_one_process(reference, layouts, stage, set_, variant, la
     assert sorted(ran) == steps
     for step in steps:
         for name in COMPARED[stage]:
-            assert ran[step][name] == pytest.approx(one[step][name], abs=1e-4), (step, name)
+            # 2e-4: float32 reductions in another order drift over 3 steps; a CI run (2026-12-06) saw
+            # rm/margin at step 3 of LoRA tp2 with SP 1.13e-4 from one process's (-0.01176 vs -0.01187)
+            assert ran[step][name] == pytest.approx(one[step][name], abs=2e-4), (step, name)
     # the metrics move: the comparison is not of constants
     assert one[1][COMPARED[stage][0]] != pytest.approx(one[STEPS][COMPARED[stage][0]], abs=1e-3)
 

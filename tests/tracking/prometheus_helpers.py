@@ -28,15 +28,26 @@ def need(binary: str) -> str:
     return path
 
 
-def dashboard_exprs() -> list[str]:
-    panels = json.loads(DASHBOARD.read_text())["panels"]
-    return [t["expr"] for p in panels for t in p["targets"]]
+FLEET_ROW = "Fleet (rollout.placement=fleet)"  # its panels chart what only a fleet run serves
 
 
-def dashboard_metric_names() -> set[str]:
+def dashboard_exprs(row: str | None = None) -> list[str]:
+    """The queries of the dashboard's panels; with `row`, of the panels under that row only, and
+    without, of the panels outside the fleet row (what every run serves)."""
+    exprs, current = [], None
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        if panel["type"] == "row":
+            current = panel["title"]
+            continue
+        if current == row or (row is None and current != FLEET_ROW):
+            exprs += [t["expr"] for t in panel["targets"]]
+    return exprs
+
+
+def dashboard_metric_names(row: str | None = None) -> set[str]:
     """The metric names the dashboard's queries read (label names, label values, ranges removed)."""
     names = set()
-    for expr in dashboard_exprs():
+    for expr in dashboard_exprs(row):
         bare = re.sub(r"\{[^}]*\}|\[[^\]]*\]", "", expr)
         names |= {w for w in re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", bare) if w not in PROMQL_WORDS}
     return names
