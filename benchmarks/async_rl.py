@@ -54,7 +54,7 @@ MODES = {"colocated_sync": {},
          # one training process and 1 or 2 rollout servers (python -m megarl.rollout.serve) joined to it
          "fleet_1": {"rollout.placement": "fleet", "rollout.fleet.min_servers": 1},
          "fleet_2": {"rollout.placement": "fleet", "rollout.fleet.min_servers": 2}}
-FLEET_SERVERS = {"fleet_1": 1, "fleet_2": 2}
+FLEET_SERVERS = {mode: o["rollout.fleet.min_servers"] for mode, o in MODES.items() if o.get("rollout.placement") == "fleet"}
 
 
 def _free_port() -> int:

@@ -16,15 +16,15 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from conftest import REPO
+from conftest import REPO, free_port
 
 sys.path.insert(0, str(REPO / "tests" / "trainer"))
 sys.path.insert(0, str(REPO / "tests" / "tracking"))
@@ -38,12 +38,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 STEPS = 4
 COMMON = {"trainer.total_steps": STEPS, "tracking.sample_ids": "true"}
 FLEET_ONLY = {"trainer.save_every_steps": 3}  # the checkpoint the restarted trainer resumes from
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout_s: float = 240.0) -> None:
@@ -60,20 +54,14 @@ def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout_s: float = 
 
 def _worker_pid(launcher: subprocess.Popen) -> int:
     """The pid of launch/ppo.py under a torchrun launcher (its descendant)."""
-    todo, seen = [launcher.pid], []
-    while todo:
-        pid = todo.pop()
-        seen.append(pid)
-        for task in Path(f"/proc/{pid}/task").glob("*"):
-            todo += [int(c) for c in (task / "children").read_text().split()]
-    for pid in seen[1:]:
-        if b"launch/ppo.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
-            return pid
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        if "launch/ppo.py" in child.cmdline():
+            return child.pid
     pytest.fail(f"no launch/ppo.py process under the launcher {launcher.pid}")
 
 
 def test_fleet_survives_lost_servers_and_its_trainer_and_equals_the_colocated_run(tmp_path):
-    run_dir, port = tmp_path / "fleet", _free_port()
+    run_dir, port = tmp_path / "fleet", free_port()
     overrides = shared_overrides(run_dir, **COMMON, **FLEET_ONLY, **{
         "rollout.placement": "fleet", "rollout.fleet.port": port, "rollout.fleet.heartbeat_s": 5,
         "rollout.fleet.min_servers": 2})
