@@ -40,11 +40,12 @@ from pathlib import Path
 from _common import write_result  # benchmarks/_common.py
 
 REPO = Path(__file__).resolve().parents[1]
-# fixed-length responses, 3 update epochs: in separate-sync runs with 2 (2026-12-02, load 17-58) the
-# rollout rank generated for 0.64-0.74 s a step while the training rank was busy 0.31-0.48 s (one
-# epoch ~0.14 s); with 1 (the first version of this benchmark) generation took 2.4x the training
-DEFAULTS = {"rollout.ignore_eos": "true", "rollout.max_new_tokens": 12, "data.prompts_per_step": 16,
-            "rollout.samples_per_prompt": 8, "actor.ppo_epochs": 3, "actor.ppo_mini_batches": 2,
+# fixed-length responses of 32 tokens, 2 update epochs: generation and training about equal on a
+# quiet 2-core machine (separate-sync, 2026-12-06: generating 0.27-0.29 s a step, updating 0.29-0.32 s).
+# The earlier geometry (12 tokens, 3 epochs) was balanced on a loaded machine (2026-12-02, load 17-58)
+# but quiet its generation was a third of the training, which leaves asynchrony little to hide
+DEFAULTS = {"rollout.ignore_eos": "true", "rollout.max_new_tokens": 32, "data.prompts_per_step": 16,
+            "rollout.samples_per_prompt": 8, "actor.ppo_epochs": 2, "actor.ppo_mini_batches": 2,
             "rollout.verify_weights": "false", "tracking.loggers": "[console,jsonl]", "tracking.progress_bar": "false",
             "trainer.save_every_steps": 0, "trainer.val_every_steps": 0}
 MODES = {"colocated_sync": {},

@@ -16,18 +16,19 @@ answer, should one come, is dropped: no sample mixes two servers.
 from __future__ import annotations
 
 import itertools
-import queue
 import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 import zmq
 
+from megarl.fleet.mailbox import Mailbox
 from megarl.fleet.wire import WireError, decode, encode, tensor_frames, token_matches
 
-POLL_MS = 20
+# the longest the socket's thread sleeps between heartbeat checks (messages wake it at once: Mailbox)
+POLL_MS = 100
 
 
 @dataclass
@@ -94,7 +95,7 @@ class FleetEndpoint:
         self._strangers: set[bytes] = set()  # peers told off once: a lost server beats on until it rejoins
         self._weights: tuple[int, list[bytes]] | None = None  # (version, the weights message)
         self._answers: list[tuple[bytes, dict]] = []  # result messages for `run`
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox = Mailbox()  # (identity, frames) for the socket's thread, from any thread
         self._cond = threading.Condition()
         self._stop = threading.Event()
         # request ids start at a random point: a server's late answer to an earlier trainer of the run
@@ -108,14 +109,16 @@ class FleetEndpoint:
     def version(self) -> int:
         return self._weights[0] if self._weights else 0
 
-    def publish(self, version: int, named_tensors: list) -> None:
-        """Weights `version` (HF names, full tensors) to every joined server and every later one."""
+    def publish(self, version: int, named_tensors: Iterable) -> set[str]:
+        """Weights `version` (HF names, full tensors) to every joined server and every later one; the
+        names sent."""
         entries, frames = tensor_frames(named_tensors)
         message = encode("weights", frames, version=version, tensors=entries)
         with self._cond:
             self._weights = (version, message)
             for server in self._servers.values():
                 self._outbox.put((server.identity, message))
+        return {entry["name"] for entry in entries}
 
     def run(self, step: int, requests: list[dict], sampling: dict, min_servers: int) -> dict[int, Answer]:
         """Each request's answer, by position in `requests` ({prompt_index, prompt_ids, seeds}). Waits
@@ -213,13 +216,13 @@ class FleetEndpoint:
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._outbox.fileno(), zmq.POLLIN)
         next_beat = 0.0
         try:
             while not self._stop.is_set():
-                while not self._outbox.empty():
-                    identity, frames = self._outbox.get()
+                for identity, frames in self._outbox.take_all():
                     self._socket.send_multipart([identity, *frames], copy=False)
-                if poller.poll(POLL_MS):
+                if self._socket in dict(poller.poll(POLL_MS)):
                     while True:
                         try:
                             identity, *frames = self._socket.recv_multipart(zmq.NOBLOCK)
@@ -233,6 +236,7 @@ class FleetEndpoint:
         finally:
             self._socket.close(linger=1000)
             self._context.term()
+            self._outbox.close()
 
     def _receive(self, identity: bytes, frames: list[bytes]) -> None:
         with self._cond:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hmac
 import math
+from typing import Iterable
 
 import msgpack
 import torch
@@ -104,8 +105,9 @@ def token_matches(shown: str, token: str) -> bool:
     return hmac.compare_digest(shown.encode(), token.encode())
 
 
-def tensor_frames(named: list[tuple[str, torch.Tensor]]) -> tuple[list[dict], list[bytes]]:
-    """(the weights message's tensor entries, one raw-bytes frame per tensor)."""
+def tensor_frames(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[dict], list[bytes]]:
+    """(the weights message's tensor entries, one raw-bytes frame per tensor: a copy of each, taken as
+    `named` yields it)."""
     entries, frames = [], []
     for name, tensor in named:
         tensor = tensor.detach().to("cpu").contiguous()

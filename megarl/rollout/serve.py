@@ -26,6 +26,7 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from megarl.fleet.mailbox import Mailbox
 from megarl.fleet.wire import DTYPES, WireError, decode, encode, frame_tensors
 from megarl.rollout.base import RolloutRequest, SamplingParams
 
@@ -39,7 +40,7 @@ class _Worker:
     def __init__(self, server_id: str, device: str, log):
         self.server_id, self.device, self.log = server_id, device, log
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.outbox = Mailbox()  # replies for the socket's thread, which it wakes
         self.engine = None
         self.built_for = None  # (model config, dtype) of the engine
         self.version = 0
@@ -140,10 +141,11 @@ def _session(address, token, engine, server_id, worker: _Worker, log) -> int | N
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
+    poller.register(worker.outbox.fileno(), zmq.POLLIN)
     try:
         while True:
-            while not worker.outbox.empty():
-                sock.send_multipart(worker.outbox.get())
+            for frames in worker.outbox.take_all():
+                sock.send_multipart(frames)
             ready = dict(poller.poll(50))
             if monitor in ready:
                 recv_monitor_message(monitor)

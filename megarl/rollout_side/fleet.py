@@ -61,9 +61,9 @@ class FleetEngine:
         self.version += 1
         if self.endpoint is None:
             return {name for name, _ in weights}
-        named = [(name, tensor.detach().to("cpu").clone()) for name, tensor in weights]
-        self.endpoint.publish(self.version, named)
-        return {name for name, _ in named}
+        # each tensor becomes its wire frame's bytes (a copy) as the stream yields it: the stream may
+        # reuse its buffers, and no second copy is needed
+        return self.endpoint.publish(self.version, weights)
 
     def generate(self, requests: list[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
         """len(requests) * n results, prompt-major, each seeded as the colocated engine seeds it (rank 0)."""

@@ -4,7 +4,10 @@ Every step metric of metrics.jsonl becomes a gauge named `megarl_` + its name wi
 outside [a-zA-Z0-9_] replaced by `_` and abbreviated units spelled out as Prometheus wants them
 (`critic/score/mean` -> `megarl_critic_score_mean`, `timing_s/gen` -> `megarl_timing_seconds_gen`,
 `perf/cpu_rss_gb` -> `megarl_perf_cpu_rss_bytes`, its value in bytes); its HELP line gives the
-original name (and the factor, where the unit changed). Beside them:
+original name (and the factor, where the unit changed). A step metric whose name ends in `_total` is
+a running total (`fleet/lost_total`, `fleet/joined_total`, ...) and is served as a counter of the same
+name (promtool: a gauge must not end in _total); like every counter here it restarts at 0 in a
+new process. Beside them:
 `megarl_step` (the last step logged), `megarl_guard_firings_total{guard=...}` (a counter; it
 restarts at 0 in a resumed process, which `rate()`/`increase()` handle) and the process collector's
 `process_resident_memory_bytes`, `process_cpu_seconds_total`, ... docs/grafana-dashboard.json
@@ -52,7 +55,7 @@ class PrometheusExporter:
         # deferred: optional (prometheus_client, monitor extra)
         from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector, start_http_server
 
-        self._Gauge = Gauge
+        self._Gauge, self._Counter = Gauge, Counter
         self.registry = CollectorRegistry()  # our own: nothing else in the process leaks into /metrics
         ProcessCollector(registry=self.registry)
         self.step = Gauge(PREFIX + "step", "the last PPO step logged", registry=self.registry)
@@ -61,6 +64,7 @@ class PrometheusExporter:
         for guard in GUARDS:
             self.guards.labels(guard)
         self.gauges: dict[str, Any] = {}
+        self.counters: dict[str, list] = {}  # a _total step metric -> [its Counter, the total it has counted]
         try:
             self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as err:
@@ -70,6 +74,9 @@ class PrometheusExporter:
 
     def log(self, values: Mapping[str, float | None], step: int) -> None:
         for metric, value in values.items():
+            if metric.endswith("_total"):
+                self._count(metric, value)
+                continue
             gauge, scale = self._gauge(metric)
             gauge.set(math.nan if value is None else value * scale)
         self.step.set(step)  # last: a scrape that sees the new step sees its metrics too
@@ -89,3 +96,15 @@ class PrometheusExporter:
             help_text = f"{metric} (the step metric of metrics.jsonl)" + (f" x {scale:g}" if scale != 1.0 else "")
             entry = self.gauges[metric] = (self._Gauge(name, help_text, registry=self.registry), scale)
         return entry
+
+    def _count(self, metric: str, total: float | None) -> None:
+        """A running total's counter follows it (a counter only goes up: a total that fell, or none, is
+        not counted)."""
+        entry = self.counters.get(metric)
+        if entry is None:
+            name, _ = served_as(metric)
+            entry = self.counters[metric] = [self._Counter(name, f"{metric} (the running total of metrics.jsonl)",
+                                                           registry=self.registry), 0.0]
+        if total is not None and math.isfinite(total) and total > entry[1]:
+            entry[0].inc(total - entry[1])
+            entry[1] = total

@@ -22,12 +22,16 @@ def test_step_metrics_are_served_under_their_prometheus_names_and_promtool_accep
     assert exporter.server.server_address[0] == "127.0.0.1"  # localhost unless tracking.prometheus_host says otherwise
     tracker.log({"critic/score/mean": 0.75, "timing_s/gen": 2.5, "perf/rollout_tokens_per_s_per_gpu": 512.0,
                  "perf/cpu_rss_gb": 1.5,
-                 "actor/grad_norm": float("inf")}, 7)
+                 "actor/grad_norm": float("inf"), "fleet/lost_total": 1.0, "fleet/joined_total": 2.0}, 7)
+    tracker.log({"fleet/lost_total": 1.0, "fleet/joined_total": 3.0}, 8)  # running totals: served as counters
     tracker.event("guard/kl", 7, kl=3.0)
     tracker.event("guard/kl", 7, kl=3.0)
     text = fetch(f"http://127.0.0.1:{exporter.port}/metrics")
     samples = _samples(text)
-    assert samples[("megarl_step", ())] == 7
+    assert samples[("megarl_step", ())] == 8
+    assert samples[("megarl_fleet_lost_total", ())] == 1 and samples[("megarl_fleet_joined_total", ())] == 3
+    types = {family.name: family.type for family in text_string_to_metric_families(text)}
+    assert types["megarl_fleet_lost"] == types["megarl_fleet_joined"] == "counter"  # the parser drops _total
     assert samples[("megarl_critic_score_mean", ())] == 0.75
     assert samples[("megarl_timing_seconds_gen", ())] == 2.5
     assert samples[("megarl_perf_rollout_tokens_per_second_per_gpu", ())] == 512.0
