@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for_output(path: Path, text: str, proc: subprocess.Popen, timeout_s: float = 240.0) -> None:
+    """Until `text` appears in the file `path` (a process's output); fails, with the file's tail, if
+    `proc` ends first or timeout_s pass."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"{proc.args[:4]} exited {proc.returncode} before {text!r}:\n{path.read_text()[-4000:]}")
+        time.sleep(0.05)
+    pytest.fail(f"no {text!r} in {path} within {timeout_s} s:\n{path.read_text()[-4000:]}")
 
 
 def spawn(fn, nproc: int, *args) -> None:

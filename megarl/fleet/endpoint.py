@@ -60,6 +60,10 @@ class FleetStats:
         return out
 
 
+class WaitStopped(Exception):
+    """`run` gave up waiting for servers because `stop()` said so (a signal to the trainer)."""
+
+
 @dataclass(frozen=True)
 class Answer:
     """One request's samples as a server returned them (the wire's result.samples entries)."""
@@ -120,10 +124,12 @@ class FleetEndpoint:
                 self._outbox.put((server.identity, message))
         return {entry["name"] for entry in entries}
 
-    def run(self, step: int, requests: list[dict], sampling: dict, min_servers: int) -> dict[int, Answer]:
+    def run(self, step: int, requests: list[dict], sampling: dict, min_servers: int,
+            stop: Callable[[], bool] = lambda: False) -> dict[int, Answer]:
         """Each request's answer, by position in `requests` ({prompt_index, prompt_ids, seeds}). Waits
         for min_servers servers at the current version before handing out, resubmits what a lost
-        server left unfinished to the others, and returns once every request is answered."""
+        server left unfinished to the others, and returns once every request is answered. While it
+        waits for servers, `stop()` true ends the wait with WaitStopped."""
         version = self.version
         ids = {next(self._ids): i for i in range(len(requests))}
         owner: dict[int, bytes] = {}  # request id -> the server it was sent to
@@ -143,6 +149,9 @@ class FleetEndpoint:
                 if todo and enough:
                     self._hand_out(step, version, todo, requests, ids, sampling, ready, owner)
                     handed_out = True
+                elif todo and stop():
+                    raise WaitStopped(f"step {step} waited for rollout servers: {len(ready)} of "
+                                      f"{1 if handed_out else min_servers} held weights version {version}")
                 elif todo and time.monotonic() - said >= self.heartbeat_s:
                     said = time.monotonic()
                     need = 1 if handed_out else min_servers
@@ -159,10 +168,11 @@ class FleetEndpoint:
                                        if s.tokens_per_s is not None}
         return {ids[rid]: answer for rid, answer in answers.items()}
 
-    def close(self) -> None:
-        """Tell every server the run ended, then close the socket."""
+    def close(self, farewell: bool = True) -> None:
+        """Tell every server the run ended (`farewell`; without it they wait for a trainer that resumes
+        the run), then close the socket."""
         with self._cond:
-            for server in self._servers.values():
+            for server in self._servers.values() if farewell else ():
                 self._outbox.put((server.identity, encode("bye", reason="the run ended")))
         deadline = time.monotonic() + 2.0
         while not self._outbox.empty() and time.monotonic() < deadline:

@@ -13,18 +13,26 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 from pathlib import Path
 from typing import Iterable
 
 import torch
 import torch.distributed as dist
 
-from megarl.fleet.endpoint import FleetEndpoint
+from megarl.fleet.endpoint import FleetEndpoint, WaitStopped
 from megarl.fleet.wire import DTYPE_NAMES
 from megarl.rollout.base import RolloutRequest, RolloutResult, SamplingParams, expand_samples
 from megarl.platform.process_groups import all_gather_object
 from megarl.rollout_side.base import StepSamples, WeightHandOver
+from megarl.runtime.preemption import PREEMPTED_EXIT_CODE, Preempted, installed_watch
 from megarl.step.samples import Sample
+
+
+def _signalled() -> bool:
+    """A SIGTERM / SIGUSR1 reached this process during the training loop (its preemption watch)."""
+    watch = installed_watch()
+    return watch is not None and watch.received is not None
 
 
 def run_token(token_file: str, run_dir: str, log=print) -> str:
@@ -56,6 +64,13 @@ class FleetEngine:
         self.version = 0  # the last weights version published: FleetRollout.hand_over's step
         self.record_routes = False
 
+    def number_from(self, step: int) -> None:
+        """The next weights version is at least `step`: a new version at every hand-over and never
+        below the step's number, so a step's samples carry version `step` (validation's hand-over
+        after it takes the next number), also after a trainer restarted from a checkpoint, whose
+        first hand-over would otherwise be version 1."""
+        self.version = max(self.version, step - 1)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> set[str]:
         """The stream's full HF tensors to every server as the next weights version (from rank 0)."""
         self.version += 1
@@ -75,7 +90,7 @@ class FleetEngine:
         wire_sampling = {"temperature": float(sampling.temperature), "top_p": float(sampling.top_p), "top_k": int(sampling.top_k),
                          "max_new_tokens": int(sampling.max_new_tokens), "stop_token_ids": list(sampling.stop_token_ids),
                          "banned_token_ids": list(sampling.banned_token_ids)}
-        answers = self.endpoint.run(requests[0].step, rows, wire_sampling, self.min_servers)
+        answers = self.endpoint.run(requests[0].step, rows, wire_sampling, self.min_servers, stop=_signalled)
         results = []
         for i, req in enumerate(requests):
             answer = answers[i]
@@ -109,10 +124,7 @@ class FleetRollout:
         self._metrics: dict[str, float] = {}
 
     def hand_over(self, step: int):
-        # a new version at every hand-over and never below the step's number: a step's samples carry
-        # version `step` (validation's hand-over after it takes the next number), also after a
-        # trainer restarted from a checkpoint, whose first hand-over would otherwise be version 1
-        self.engine.version = max(self.engine.version, step - 1)
+        self.engine.number_from(step)
         return self._hand_over(self.engine)
 
     def samples(self, step: int) -> StepSamples:
@@ -125,15 +137,36 @@ class FleetRollout:
         mine = [RolloutRequest(tuple(p.prompt_ids), prompt_index=p.global_index, step=step) for p in prompts]
         # the ranks of a model-parallel group hold the same prompts: its first rank speaks for it
         shares = all_gather_object(mine if self.dispatch.mp_rank == 0 else [], self.world_size, None)
-        payload = [None]
+        payload: list = [None]
         if self.engine.endpoint is not None:  # rank 0
-            results = self.engine.generate([r for share in shares for r in share], sampling)
-            payload = [(results, self.engine.metrics())]
+            try:
+                results = self.engine.generate([r for share in shares for r in share], sampling)
+                payload = [("samples", results, self.engine.metrics())]
+            except WaitStopped as stopped:
+                payload = [("stopped", str(stopped), signal.Signals(installed_watch().received).name)]
         if self.world_size > 1:
             dist.broadcast_object_list(payload, src=0)
-        results, self._metrics = payload[0]
+        if payload[0][0] == "stopped":
+            self._stop_waiting(step, *payload[0][1:])
+        _, results, self._metrics = payload[0]
         wanted = {r.prompt_index for r in mine}
         return self._to_samples(prompts, [r for r in results if r.prompt_index in wanted], sampling)
+
+    def _stop_waiting(self, step: int, why: str, signame: str):
+        """A SIGTERM / SIGUSR1 while the step waited for servers: the run stops now, not at the step's
+        end, which may never come (and would outlast Slurm's grace period): exit 75 without a new
+        checkpoint, since nothing of the step was trained. The same command resumes from the last
+        checkpoint, and the servers, told nothing, join the resumed trainer (as after a trainer's
+        crash)."""
+        watch = installed_watch()
+        if watch is not None:
+            watch.keep_until_exit = True  # a late signal must not cut the exit short
+        if self.engine.endpoint is not None:
+            self.engine.endpoint.log(f"megarl: {signame} while {why}: stopped without training step {step} and "
+                                     f"without a new checkpoint; exit code {PREEMPTED_EXIT_CODE}, the same command "
+                                     f"resumes from the last checkpoint (trainer.resume=auto)")
+            self.engine.endpoint.close(farewell=False)
+        raise Preempted(step - 1, signame)
 
     def release_memory(self) -> None:
         pass

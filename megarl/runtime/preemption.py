@@ -31,6 +31,16 @@ class Preempted(SystemExit):
         self.step, self.signame = step, signame
 
 
+_installed: "PreemptionWatch | None" = None
+
+
+def installed_watch() -> "PreemptionWatch | None":
+    """The watch megarl.run.Run installed around the training loop (None outside it). A wait that can
+    outlast a preemption's grace period (the fleet's wait for rollout servers) looks at it to stop
+    before the step boundary."""
+    return _installed
+
+
 class PreemptionWatch:
     """Remembers the first SIGTERM / SIGUSR1 this process receives; `agreed()` is the collective check."""
 
@@ -40,11 +50,15 @@ class PreemptionWatch:
         self._previous = {}
 
     def install(self) -> "PreemptionWatch":
+        global _installed
         for sig in SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
+        _installed = self
         return self
 
     def uninstall(self) -> None:
+        global _installed
+        _installed = None
         if self.keep_until_exit:
             # Stopping for a signal: ignore further ones (torchrun SIGTERMs the other ranks as soon as one
             # exits). SIG_IGN, not our handler: Python resets its own handlers to the default at shutdown.

@@ -18,19 +18,19 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from conftest import REPO, free_port
+from conftest import REPO, free_port, wait_for_output
 
 sys.path.insert(0, str(REPO / "tests" / "trainer"))
 sys.path.insert(0, str(REPO / "tests" / "tracking"))
 from ppo_helpers import read_metrics, reference_run, shared_overrides  # noqa: E402
 from prometheus_helpers import FLEET_ROW, dashboard_exprs, dashboard_metric_names  # noqa: E402
 
+from megarl.runtime.preemption import PREEMPTED_EXIT_CODE  # noqa: E402
 from megarl.tracking.prometheus import prometheus_name  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
@@ -38,18 +38,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 STEPS = 4
 COMMON = {"trainer.total_steps": STEPS, "tracking.sample_ids": "true"}
 FLEET_ONLY = {"trainer.save_every_steps": 3}  # the checkpoint the restarted trainer resumes from
-
-
-def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout_s: float = 240.0) -> None:
-    """Until `text` appears in the file `path` (a process's output); fails if `proc` ends first."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists() and text in path.read_text(errors="replace"):
-            return
-        if proc.poll() is not None:
-            pytest.fail(f"{proc.args[:4]} exited {proc.returncode} before {text!r}:\n{path.read_text()[-4000:]}")
-        time.sleep(0.05)
-    pytest.fail(f"no {text!r} in {path} within {timeout_s} s:\n{path.read_text()[-4000:]}")
 
 
 def _worker_pid(launcher: subprocess.Popen) -> int:
@@ -84,7 +72,7 @@ def test_fleet_survives_lost_servers_and_its_trainer_and_equals_the_colocated_ru
         trainer_log = tmp_path / "trainer.log"
         trainer = start(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "--max-restarts", "1",
                          "launch/ppo.py", "--config", "configs/tiny_cpu.yaml", *overrides], trainer_log)
-        _wait_for(trainer_log, "megarl fleet: endpoint open", trainer)
+        wait_for_output(trainer_log, "megarl fleet: endpoint open", trainer)
         token_file = run_dir / "fleet.token"
         assert oct(token_file.stat().st_mode & 0o777) == "0o600"
         wrong = tmp_path / "wrong.token"
@@ -93,11 +81,11 @@ def test_fleet_survives_lost_servers_and_its_trainer_and_equals_the_colocated_ru
         a = server("a", token_file, {"MEGARL_FLEET_TEST_DELAY_S": "2"})
         server("b", token_file)
         intruder = server("intruder", wrong)
-        _wait_for(tmp_path / "a.log", "step 2:", a)
+        wait_for_output(tmp_path / "a.log", "step 2:", a)
         a.send_signal(signal.SIGKILL)
-        _wait_for(trainer_log, "step 3: waiting for rollout servers: 1 of 2", trainer)
+        wait_for_output(trainer_log, "step 3: waiting for rollout servers: 1 of 2", trainer)
         c = server("c", token_file, {"MEGARL_FLEET_TEST_DELAY_S": "2"})  # slow too: the trainer's kill lands mid-request
-        _wait_for(tmp_path / "c.log", "step 4:", c)
+        wait_for_output(tmp_path / "c.log", "step 4:", c)
         os.kill(_worker_pid(trainer), signal.SIGKILL)  # after step 3's checkpoint, in the middle of step 4
         assert trainer.wait(timeout=300) == 0, trainer_log.read_text()[-4000:]
         assert intruder.wait(timeout=60) == 2
@@ -150,3 +138,31 @@ def test_fleet_survives_lost_servers_and_its_trainer_and_equals_the_colocated_ru
         assert len(compared) > 30
         for key in compared:
             assert fleet_row[key] == pytest.approx(ref_row[key], abs=1e-6), key
+
+
+def test_a_signal_while_waiting_for_servers_stops_the_run_at_once(tmp_path):
+    """No server comes; SIGTERM (Slurm's preemption) to the waiting trainer ends the wait instead of
+    the step boundary, which never comes: exit 75 with one line, no checkpoint and no metrics of the
+    untrained step (the same command resumes from the last checkpoint; here none: from the start)."""
+    run_dir = tmp_path / "run"
+    overrides = shared_overrides(run_dir, **{"trainer.total_steps": 2, "rollout.placement": "fleet",
+                                             "rollout.fleet.port": free_port(), "rollout.fleet.heartbeat_s": 1})
+    log = tmp_path / "trainer.log"
+    with open(log, "w") as out:
+        trainer = subprocess.Popen([sys.executable, "launch/ppo.py", "--config", "configs/tiny_cpu.yaml", *overrides],
+                                   cwd=REPO, env=dict(os.environ, PYTHONWARNINGS="ignore"), stdout=out,
+                                   stderr=subprocess.STDOUT)
+    try:
+        wait_for_output(log, "step 1: waiting for rollout servers: 0 of 1", trainer)
+        trainer.send_signal(signal.SIGTERM)
+        assert trainer.wait(timeout=120) == PREEMPTED_EXIT_CODE, log.read_text()[-4000:]
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+    text = log.read_text()
+    assert ("megarl: SIGTERM while step 1 waited for rollout servers: 0 of 1 held weights version 1: stopped "
+            "without training step 1 and without a new checkpoint; exit code 75") in text, text[-4000:]
+    assert "Traceback" not in text, text[-4000:]
+    assert not list((run_dir / "checkpoints").glob("step_*")) and read_metrics(run_dir) == []
+

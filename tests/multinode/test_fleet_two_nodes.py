@@ -10,13 +10,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 import netns
-from conftest import REPO, free_port
+from conftest import REPO, free_port, wait_for_output
 
 sys.path.insert(0, str(REPO / "tests" / "trainer"))
 from ppo_helpers import read_metrics, reference_run, shared_overrides  # noqa: E402
@@ -25,17 +24,6 @@ REASON = netns.unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
 
 COMMON = {"trainer.total_steps": 3, "tracking.sample_ids": "true"}
-
-
-def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout_s: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists() and text in path.read_text(errors="replace"):
-            return
-        if proc.poll() is not None:
-            pytest.fail(f"exited {proc.returncode} before {text!r}:\n{path.read_text()[-4000:]}")
-        time.sleep(0.05)
-    pytest.fail(f"no {text!r} in {path} within {timeout_s} s:\n{path.read_text()[-4000:]}")
 
 
 def test_fleet_across_nodes_survives_a_cut_link(tmp_path):
@@ -67,7 +55,7 @@ def test_fleet_across_nodes_survives_a_cut_link(tmp_path):
             trainer_log = tmp_path / "trainer.log"
             trainer = start(node0, ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "launch/ppo.py",
                                      "--config", "configs/tiny_cpu.yaml", *overrides], trainer_log)
-            _wait_for(trainer_log, "megarl fleet: endpoint open", trainer)
+            wait_for_output(trainer_log, "megarl fleet: endpoint open", trainer)
             # bound to node 0's address only: its loopback has no endpoint
             probe = subprocess.run([*node0.prefix(), sys.executable, "-c",
                                     f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=5)"],
@@ -75,9 +63,9 @@ def test_fleet_across_nodes_survives_a_cut_link(tmp_path):
             assert probe.returncode != 0 and "Connection refused" in probe.stderr
             server(node0, "a")
             b = server(node1, "b", {"MEGARL_FLEET_TEST_DELAY_S": "2"})  # slow: the cut lands mid-request
-            _wait_for(tmp_path / "b.log", "step 2:", b)
+            wait_for_output(tmp_path / "b.log", "step 2:", b)
             link("down")
-            _wait_for(trainer_log, "step 3: waiting for rollout servers: 1 of 2", trainer)
+            wait_for_output(trainer_log, "step 3: waiting for rollout servers: 1 of 2", trainer)
             link("up")
             assert trainer.wait(timeout=300) == 0, trainer_log.read_text()[-4000:]
         finally:
