@@ -9,7 +9,7 @@ import pytest
 import torch
 import zmq
 
-from megarl.fleet.endpoint import FleetEndpoint
+from megarl.fleet.endpoint import FleetEndpoint, WaitStopped
 from megarl.fleet.wire import WireError, decode, encode, frame_tensors, tensor_frames, token_matches
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 4, "stop_token_ids": [2], "banned_token_ids": []}
@@ -218,3 +218,21 @@ def test_endpoint_resubmits_a_lost_servers_requests_and_drops_its_late_answer():
     assert any("does not have its 2 samples" in line for line in lines)
     assert any(line.startswith("megarl fleet: dropped a result message from a peer that has not joined") for line in lines)
     assert (endpoint.stats.lost_total, endpoint.stats.resubmitted_total, endpoint.stats.servers) == (1, 2, 1)
+
+
+def test_a_wait_for_servers_ends_when_stop_says_so():
+    """With fewer than min_servers servers, run waits (saying so each heartbeat_s) until stop() is
+    true, then raises WaitStopped naming the step and the servers it had; the endpoint still closes."""
+    lines: list[str] = []
+    endpoint = FleetEndpoint("127.0.0.1", _port(), "s3cret", 0.2, {"model_type": "llama"}, "float32", log=lines.append)
+    try:
+        endpoint.publish(3, [("w", torch.ones(2))])
+        asked = []
+        with pytest.raises(WaitStopped, match="step 3 waited for rollout servers: 0 of 2 held weights version 3"):
+            endpoint.run(3, [{"prompt_index": 0, "prompt_ids": [1, 2], "seeds": [7]}],
+                         {"temperature": 1.0}, 2, stop=lambda: asked.append(1) or len(asked) > 5)
+        assert len(asked) == 6  # asked at each look while it waited, stopped at the first yes
+        assert any("step 3: waiting for rollout servers: 0 of 2" in line for line in lines)
+    finally:
+        endpoint.close(farewell=False)
+
