@@ -3,10 +3,13 @@ servers join, leave and fail from while training goes on.
 
 One thread owns the socket, so joins, heartbeats and losses are handled while the trainer trains:
 it checks each hello's token before anything is sent, welcomes a server with the model config and
-the current weights, answers heartbeats, and declares a server lost after rollout.fleet.heartbeat_s
-of silence. The trainer's thread talks to it through `publish` (new weights for every server) and
-`run` (a step's requests split over the servers holding the current weights, a lost server's
-unfinished requests handed to the others, waiting while fewer than min_servers are there).
+where its weight link meets (megarl/fleet/link.py: a gloo group of two, built for that server outside
+the training world), answers heartbeats, and declares a server lost after rollout.fleet.heartbeat_s
+of silence. Once the server has built its engine it says so ("link"), the link is built, and the
+current weights go over it. The trainer's thread talks to the endpoint through `publish` (new weights
+for every linked server: a header over ZeroMQ, the bytes over the links; a server whose link broke
+is lost) and `run` (a step's requests split over the servers holding the current weights, a lost
+server's unfinished requests handed to the others, waiting while fewer than min_servers are there).
 
 A request is one prompt with its samples' seeds: a sample is a function of the weights, the
 prompt and its seed, so a request finishes the same wherever it runs. A server answers a chunk of
@@ -15,17 +18,19 @@ answer, should one come, is dropped: no sample mixes two servers.
 """
 from __future__ import annotations
 
+import datetime
 import itertools
 import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import zmq
 
+from megarl.fleet import link
 from megarl.fleet.mailbox import Mailbox
-from megarl.fleet.wire import WireError, decode, encode, tensor_frames, token_matches
+from megarl.fleet.wire import MAX_HEADER_BYTES, WireError, decode, encode, token_matches
 
 # the longest the socket's thread sleeps between heartbeat checks (messages wake it at once: Mailbox)
 POLL_MS = 100
@@ -36,8 +41,11 @@ class _Server:
     identity: bytes
     server_id: str
     last_seen: float
+    offer: dict  # where its weight link meets (the welcome's transfer field)
     version: int = 0  # the weights version it has loaded (0: none yet)
     tokens_per_s: float | None = None
+    linking: bool = False  # it said "link": its link is being built, or built (then `link`)
+    link: Any = None  # its weight link (a two-rank gloo group) once built
 
 
 @dataclass
@@ -80,12 +88,15 @@ class FleetEndpoint:
     def __init__(self, host: str, port: int, token: str, heartbeat_s: float, model_config: dict, dtype: str,
                  log: Callable[[str], None] = print):
         self.token, self.heartbeat_s, self.log = token, heartbeat_s, log
-        self._welcome = encode("welcome", model_config=model_config, dtype=dtype, heartbeat_s=heartbeat_s)
+        self._model_config, self._dtype = model_config, dtype
+        # building a link and sending the weights over it: both ends are there when it starts, so
+        # only a dead or cut-off server takes this long (and is then lost)
+        self.link_timeout_s = max(60.0, 3 * heartbeat_s)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 1000)
-        # results are small (token ids and log-probs); a peer sending more is cut off by ZeroMQ
-        self._socket.setsockopt(zmq.MAXMSGSIZE, 1 << 30)
+        # messages are small (no weights: they go over the links); a peer sending more is cut off
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER_BYTES)
         try:
             self._socket.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError as err:
@@ -94,10 +105,11 @@ class FleetEndpoint:
             raise ValueError(f"rollout.fleet: cannot open the fleet endpoint on {host}:{port} ({err}): choose a free "
                              f"rollout.fleet.port or an address of this node as rollout.fleet.host") from None
         self.address = f"{host}:{port}"
+        self._links = link.LinkHost(host, self.link_timeout_s)
         self.stats = FleetStats()
         self._servers: dict[bytes, _Server] = {}
         self._strangers: set[bytes] = set()  # peers told off once: a lost server beats on until it rejoins
-        self._weights: tuple[int, list[bytes]] | None = None  # (version, the weights message)
+        self._weights: tuple[int, list[bytes], Any] | None = None  # (version, its message, its bytes)
         self._answers: list[tuple[bytes, dict]] = []  # result messages for `run`
         self._outbox = Mailbox()  # (identity, frames) for the socket's thread, from any thread
         self._cond = threading.Condition()
@@ -114,14 +126,14 @@ class FleetEndpoint:
         return self._weights[0] if self._weights else 0
 
     def publish(self, version: int, named_tensors: Iterable) -> set[str]:
-        """Weights `version` (HF names, full tensors) to every joined server and every later one; the
-        names sent."""
-        entries, frames = tensor_frames(named_tensors)
-        message = encode("weights", frames, version=version, tensors=entries)
+        """Weights `version` (HF names, full tensors) to every linked server, and to every later one
+        when its link is built; returns once each has them or is lost. The names sent."""
+        entries, flat = link.flatten(named_tensors)
+        message = encode("weights", version=version, tensors=entries, bytes=flat.numel())
         with self._cond:
-            self._weights = (version, message)
-            for server in self._servers.values():
-                self._outbox.put((server.identity, message))
+            self._weights = (version, message, flat)
+            sends = [(server, self._send_weights(server)) for server in self._servers.values() if server.link]
+        self._await(sends)
         return {entry["name"] for entry in entries}
 
     def run(self, step: int, requests: list[dict], sampling: dict, min_servers: int,
@@ -253,7 +265,7 @@ class FleetEndpoint:
             server = self._servers.get(identity)
             who = f"server {server.server_id}" if server else "a peer that has not joined"
             try:
-                header, _ = decode(frames)
+                header = decode(frames)
             except WireError as err:
                 self.stats.dropped_total += 1
                 self.log(f"megarl fleet: dropped a malformed message from {who}: {err}")
@@ -273,6 +285,13 @@ class FleetEndpoint:
             server.last_seen = time.monotonic()
             if kind == "ready":
                 server.version = header["version"]
+            elif kind == "link":
+                if header["prefix"] != server.offer["prefix"] or server.linking:
+                    self.stats.dropped_total += 1
+                    self.log(f"megarl fleet: dropped a link message from {who}: not the link it was offered")
+                    return
+                server.linking = True
+                threading.Thread(target=self._accept, args=(server,), name="megarl-fleet-link", daemon=True).start()
             elif kind == "result":
                 if header["tokens_per_s"] > 0:
                     server.tokens_per_s = float(header["tokens_per_s"])
@@ -298,22 +317,80 @@ class FleetEndpoint:
             self.log(f"megarl fleet: refused server {header['server_id']!r}: engine {header['engine']!r} (the fleet runs hf so far)")
             self._outbox.put((identity, encode("refused", reason=f"engine {header['engine']!r}: the fleet runs --engine hf so far")))
             return
-        self._servers[identity] = _Server(identity, header["server_id"], time.monotonic())
+        offer = self._links.offer()  # a new link for every join: a server that joins again gets a new one
+        self._servers[identity] = _Server(identity, header["server_id"], time.monotonic(), offer)
         self.stats.joined_total += 1
         self.log(f"megarl fleet: server {header['server_id']} joined; {len(self._servers)} joined")
-        self._outbox.put((identity, self._welcome))
-        if self._weights is not None:
-            self._outbox.put((identity, self._weights[1]))
+        self._outbox.put((identity, encode("welcome", model_config=self._model_config, dtype=self._dtype,
+                                           heartbeat_s=self.heartbeat_s, transfer=offer)))
 
     def _beat(self, now: float) -> None:
         """Heartbeats out; servers silent for heartbeat_s are lost."""
         with self._cond:
-            for identity, server in list(self._servers.items()):
+            for server in list(self._servers.values()):
                 if now - server.last_seen > self.heartbeat_s:
-                    del self._servers[identity]
-                    self.stats.lost_total += 1
-                    self.log(f"megarl fleet: lost server {server.server_id} (silent for {now - server.last_seen:.1f} s); "
-                             f"{len(self._servers)} left, its unfinished requests go to the others")
-                    self._cond.notify_all()
+                    self._lose(server, f"silent for {now - server.last_seen:.1f} s")
                 else:
-                    self._outbox.put((identity, encode("heartbeat", version=self.version)))
+                    self._outbox.put((server.identity, encode("heartbeat", version=self.version)))
+
+    def _lose(self, server: _Server, why: str) -> None:
+        """`server` is lost (under the lock; nothing when it left already): its unfinished requests go to
+        the others at run's next look."""
+        if self._servers.get(server.identity) is not server:
+            return
+        del self._servers[server.identity]
+        self.stats.lost_total += 1
+        self.log(f"megarl fleet: lost server {server.server_id} ({why}); {len(self._servers)} left, its unfinished "
+                 f"requests go to the others")
+        self._cond.notify_all()
+
+    # ------------------------------------------------------------ the weight links
+    def _accept(self, server: _Server) -> None:
+        """(A thread of its own, per link.) The link of a server that built its engine, and then the
+        current weights over it."""
+        try:
+            group = self._links.accept(server.offer)
+        except Exception as err:  # the server died or was cut off while building its side
+            with self._cond:
+                self._lose(server, f"its weight link could not be built: {_first_line(err)}")
+            return
+        with self._cond:
+            if self._servers.get(server.identity) is not server:
+                return  # lost meanwhile
+            server.link = group
+            sends = [(server, self._send_weights(server))] if self._weights is not None else []
+        self.log(f"megarl fleet: weight link to server {server.server_id} built")
+        self._await(sends)
+
+    def _send_weights(self, server: _Server):
+        """The current weights' header over ZeroMQ and their bytes over the server's link (under the
+        lock, so that every link sees the versions in order); the send's work."""
+        _, message, flat = self._weights
+        self._outbox.put((server.identity, message))
+        try:
+            return link.send(server.link, flat)
+        except Exception as err:  # a link already known broken fails at once: _await loses the server
+            return _Broken(err)
+
+    def _await(self, sends: list) -> None:
+        """Each send finished; a server whose link broke (dead, or cut off for link_timeout_s) is lost."""
+        for server, work in sends:
+            try:
+                work.wait(datetime.timedelta(seconds=self.link_timeout_s))
+            except Exception as err:
+                with self._cond:
+                    self._lose(server, f"its weight link broke: {_first_line(err)}")
+
+
+class _Broken:
+    """The work of a send that failed when it was issued."""
+
+    def __init__(self, err: Exception):
+        self.err = err
+
+    def wait(self, timeout=None):
+        raise self.err
+
+
+def _first_line(err: Exception) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]

@@ -1,19 +1,22 @@
 """The fleet's wire format (rollout.placement=fleet): typed messages as msgpack, never pickles.
 
-A message is one or more ZeroMQ frames: the first is a msgpack map with a "type" and that type's
-fields (`SCHEMAS`), the others (weights only) are raw tensor bytes, one frame per tensor, described
-by the header's name / dtype / shape entries. `decode` checks everything a peer sent before anyone
-reads it: the type, every field's presence and type, no field left over, the frame count and each
-frame's byte length. A message that fails raises `WireError` with the reason; the receiver logs it
-and drops the message (a peer never stops the run).
+A message is one ZeroMQ frame: a msgpack map with a "type" and that type's fields (`SCHEMAS`). A
+weights message describes the tensors (name / dtype / shape entries, and their total bytes, each
+tensor starting at a multiple of ALIGN); the bytes themselves follow over the server's weight link (megarl/fleet/link.py), not over ZeroMQ.
+`decode` checks everything a peer sent before anyone reads it: the type, every field's presence and
+type, no field left over, no extra frame, and a weights message's byte count against its entries.
+A message that fails raises `WireError` with the reason; the receiver logs it and drops the message
+(a peer never stops the run).
 
     server -> trainer   hello{token, server_id, engine}   (the first message; nothing is sent before
                                                             the token checks out)
+                        link{prefix}                      (its engine is built: it joins its weight link)
                         ready{version}                    (weights of that version loaded)
                         result{step, version, request_ids, samples, tokens_per_s}
                         heartbeat{version}  bye{reason}
-    trainer -> server   welcome{model_config, dtype, heartbeat_s}  refused{reason}
-                        weights{version, tensors} + frames
+    trainer -> server   welcome{model_config, dtype, heartbeat_s, transfer}  refused{reason}
+                                                          (transfer: where its weight link meets)
+                        weights{version, tensors, bytes}  (the bytes then come over the link)
                         request{step, version, request_ids, prompt_index, prompt_ids, seeds, sampling}
                         heartbeat{version}  bye{reason}
 """
@@ -21,12 +24,11 @@ from __future__ import annotations
 
 import hmac
 import math
-from typing import Iterable
 
 import msgpack
 import torch
 
-# the largest msgpack header or tensor frame a peer may send (64 MiB headers, 8 GiB tensors)
+# the largest msgpack message a peer may send
 MAX_HEADER_BYTES = 64 << 20
 
 # dtype names on the wire -> torch dtypes (nothing else is accepted)
@@ -39,9 +41,10 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 Number = (int, float)
 SCHEMAS: dict[str, dict[str, object]] = {
     "hello": {"token": str, "server_id": str, "engine": str},
-    "welcome": {"model_config": dict, "dtype": str, "heartbeat_s": Number},
+    "welcome": {"model_config": dict, "dtype": str, "heartbeat_s": Number, "transfer": dict},
     "refused": {"reason": str},
-    "weights": {"version": int, "tensors": [dict]},
+    "weights": {"version": int, "tensors": [dict], "bytes": int},
+    "link": {"prefix": str},
     "ready": {"version": int},
     "request": {"step": int, "version": int, "request_ids": [int], "prompt_index": [int], "prompt_ids": [[int]],
                 "seeds": [[int]], "sampling": dict},
@@ -55,21 +58,31 @@ SAMPLING = {"temperature": Number, "top_p": Number, "top_k": int, "max_new_token
 SAMPLE = {"request_id": int, "sample_index": int, "token_ids": [int], "logprobs": [Number], "scaled_logprobs": [Number],
           "finish_reason": str}
 TENSOR = {"name": str, "dtype": str, "shape": [int]}
+TRANSFER = {"backend": str, "port": int, "prefix": str, "timeout_s": Number}
+
+
+# each tensor's bytes start at a multiple of this in a weights buffer, so that every dtype can view
+# them in place
+ALIGN = 8
+
+
+def aligned(size: int) -> int:
+    return -(-size // ALIGN) * ALIGN
 
 
 class WireError(ValueError):
     """A malformed or unexpected message; str() is the reason, one line."""
 
 
-def encode(kind: str, frames: list[bytes] | None = None, **fields) -> list[bytes]:
+def encode(kind: str, **fields) -> list[bytes]:
     """The frames of a message of type `kind` (checked against its schema before it leaves)."""
     header = {"type": kind, **fields}
     _check_fields(header, SCHEMAS[kind], kind)
-    return [msgpack.packb(header, use_bin_type=True), *(frames or [])]
+    return [msgpack.packb(header, use_bin_type=True)]
 
 
-def decode(frames: list[bytes]) -> tuple[dict, list[bytes]]:
-    """(header, tensor frames) of a received message, or WireError with the reason."""
+def decode(frames: list[bytes]) -> dict:
+    """The header of a received message, or WireError with the reason."""
     if not frames:
         raise WireError("empty message")
     if len(frames[0]) > MAX_HEADER_BYTES:
@@ -84,11 +97,12 @@ def decode(frames: list[bytes]) -> tuple[dict, list[bytes]]:
     if kind not in SCHEMAS:
         raise WireError(f"unknown message type {kind!r}")
     _check_fields(header, SCHEMAS[kind], kind)
-    rest = list(frames[1:])
+    if len(frames) > 1:
+        raise WireError(f"{kind} carries {len(frames) - 1} extra frames")
     if kind == "weights":
-        _check_weights(header, rest)
-    elif rest:
-        raise WireError(f"{kind} carries {len(rest)} extra frames")
+        _check_weights(header)
+    if kind == "welcome":
+        _check_fields(header["transfer"], TRANSFER, "welcome.transfer")
     if kind == "request":
         _check_fields(header["sampling"], SAMPLING, "request.sampling")
         n = len(header["request_ids"])
@@ -97,7 +111,7 @@ def decode(frames: list[bytes]) -> tuple[dict, list[bytes]]:
     if kind == "result":
         for sample in header["samples"]:
             _check_fields(sample, SAMPLE, "result.samples[]")
-    return header, rest
+    return header
 
 
 def token_matches(shown: str, token: str) -> bool:
@@ -105,39 +119,18 @@ def token_matches(shown: str, token: str) -> bool:
     return hmac.compare_digest(shown.encode(), token.encode())
 
 
-def tensor_frames(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[dict], list[bytes]]:
-    """(the weights message's tensor entries, one raw-bytes frame per tensor: a copy of each, taken as
-    `named` yields it)."""
-    entries, frames = [], []
-    for name, tensor in named:
-        tensor = tensor.detach().to("cpu").contiguous()
-        entries.append({"name": name, "dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape)})
-        frames.append(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return entries, frames
-
-
-def frame_tensors(header: dict, frames: list[bytes]) -> list[tuple[str, torch.Tensor]]:
-    """The (name, tensor) pairs of a decoded weights message (copies: the frames may be reused)."""
-    out = []
-    for entry, frame in zip(header["tensors"], frames):
-        flat = torch.frombuffer(bytearray(frame), dtype=torch.uint8) if len(frame) else torch.empty(0, dtype=torch.uint8)
-        out.append((entry["name"], flat.view(DTYPES[entry["dtype"]]).reshape(entry["shape"])))
-    return out
-
-
-def _check_weights(header: dict, frames: list[bytes]) -> None:
-    entries = header["tensors"]
-    if len(entries) != len(frames):
-        raise WireError(f"weights: {len(entries)} tensor entries but {len(frames)} frames")
-    for entry, frame in zip(entries, frames):
+def _check_weights(header: dict) -> None:
+    total = 0
+    for entry in header["tensors"]:
         _check_fields(entry, TENSOR, "weights.tensors[]")
         if entry["dtype"] not in DTYPES:
             raise WireError(f"weights: tensor {entry['name']!r} has dtype {entry['dtype']!r}, not one of {sorted(DTYPES)}")
         if any(d < 0 for d in entry["shape"]):
             raise WireError(f"weights: tensor {entry['name']!r} has a negative dimension")
-        expected = math.prod(entry["shape"]) * DTYPES[entry["dtype"]].itemsize
-        if len(frame) != expected:
-            raise WireError(f"weights: tensor {entry['name']!r} is {len(frame)} bytes, its shape and dtype say {expected}")
+        total += aligned(math.prod(entry["shape"]) * DTYPES[entry["dtype"]].itemsize)
+    if header["bytes"] != total:
+        raise WireError(f"weights: {header['bytes']} bytes, but its tensors' shapes and dtypes say {total} "
+                        f"(each at a multiple of {ALIGN})")
 
 
 def _check_fields(fields: dict, schema: dict, where: str) -> None:

@@ -3,8 +3,9 @@
     python -m megarl.rollout.serve --trainer HOST:PORT --token-file FILE [--engine hf] [--device cpu]
 
 It connects to the trainer's fleet endpoint (megarl.fleet.endpoint), shows the run's token (the
-content of the run's rollout.fleet.token_file), receives the model config and the current weights
-and then every update, and answers the requests of each step with the built-in hf engine, each
+content of the run's rollout.fleet.token_file), receives the model config, builds its engine, joins
+the weight link the trainer built for it (megarl/fleet/link.py), receives the current weights over
+it and then every update, and answers the requests of each step with the built-in hf engine, each
 sample seeded as the trainer says. The socket stays on the main thread, which sends a heartbeat
 every heartbeat_s / 3 while a worker thread loads weights and generates; if the trainer falls silent
 for 3 heartbeat_s, or closes the connection (a trainer that died), the server says so and joins
@@ -26,8 +27,9 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from megarl.fleet import link
 from megarl.fleet.mailbox import Mailbox
-from megarl.fleet.wire import DTYPES, WireError, decode, encode, frame_tensors
+from megarl.fleet.wire import DTYPES, WireError, decode, encode
 from megarl.rollout.base import RolloutRequest, SamplingParams
 
 # tests only: seconds a server waits before generating each request, so that a kill lands mid-request
@@ -37,28 +39,30 @@ TEST_DELAY_ENV = "MEGARL_FLEET_TEST_DELAY_S"
 class _Worker:
     """The engine's thread: builds the engine, loads weights, generates; replies go to `outbox`."""
 
-    def __init__(self, server_id: str, device: str, log):
-        self.server_id, self.device, self.log = server_id, device, log
+    def __init__(self, server_id: str, device: str, trainer_host: str, log):
+        self.server_id, self.device, self.trainer_host, self.log = server_id, device, trainer_host, log
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.outbox = Mailbox()  # replies for the socket's thread, which it wakes
         self.engine = None
         self.built_for = None  # (model config, dtype) of the engine
         self.version = 0
+        self.link = None  # the weight link of the current session (megarl/fleet/link.py)
+        self.link_timeout_s = 60.0
         self.delay_s = float(os.environ.get(TEST_DELAY_ENV, "0") or 0)
         self.thread = threading.Thread(target=self._run, name="megarl-serve-engine", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         while True:
-            kind, header, frames = self.jobs.get()
+            kind, header = self.jobs.get()
             if kind == "stop":
                 return
             try:
-                getattr(self, "_" + kind)(header, frames)
+                getattr(self, "_" + kind)(header)
             except Exception as err:  # a bad job must not end the server: the trainer resubmits elsewhere
                 self.log(f"{kind} failed: {type(err).__name__}: {err}")
 
-    def _welcome(self, header, frames) -> None:
+    def _welcome(self, header) -> None:
         from megarl.rollout.hf import HFRolloutEngine  # deferred: torch and transformers, after the argument checks
 
         # the server keeps its engine when it joins again (a restarted trainer, a link back up): the
@@ -73,16 +77,24 @@ class _Worker:
         else:
             self.log("kept the engine built for this model; waiting for weights")
         self.version = 0
+        # the engine is built: the trainer builds its end of the link now, so neither end waits long
+        offer = header["transfer"]
+        self.link = None  # a new session's link replaces the old one (its group closes)
+        self.outbox.put(encode("link", prefix=offer["prefix"]))
+        self.link = link.join(self.trainer_host, offer)
+        self.link_timeout_s = float(offer["timeout_s"])
+        self.log("weight link built")
 
-    def _weights(self, header, frames) -> None:
-        if self.engine is None:
-            raise RuntimeError("weights before the model config")
-        self.engine.load_weights(frame_tensors(header, frames))
+    def _weights(self, header) -> None:
+        if self.engine is None or self.link is None:
+            raise RuntimeError("weights before the model config and the weight link")
+        flat = link.receive(self.link, header["bytes"], self.link_timeout_s)
+        self.engine.load_weights(link.unflatten(header["tensors"], flat))
         self.version = self.engine.version = header["version"]
         self.outbox.put(encode("ready", version=self.version))
         self.log(f"weights version {self.version} loaded")
 
-    def _request(self, header, frames) -> None:
+    def _request(self, header) -> None:
         if header["version"] != self.version:  # the trainer asks servers at its version only; late news
             self.log(f"dropped a request for weights version {header['version']} (holding {self.version})")
             return
@@ -114,11 +126,11 @@ def serve(address: str, token: str, engine: str, server_id: str, device: str) ->
     def log(message: str) -> None:
         print(f"megarl serve {server_id}: {message}", flush=True)
 
-    worker = _Worker(server_id, device, log)
+    worker = _Worker(server_id, device, address.rpartition(":")[0], log)
     while True:
         outcome = _session(address, token, engine, server_id, worker, log)
         if outcome is not None:
-            worker.jobs.put(("stop", None, None))
+            worker.jobs.put(("stop", None))
             worker.thread.join()
             zmq.Context.instance().term()
             return outcome
@@ -154,7 +166,7 @@ def _session(address, token, engine, server_id, worker: _Worker, log) -> int | N
             if sock in ready:
                 frames = sock.recv_multipart()
                 try:
-                    header, rest = decode(frames)
+                    header = decode(frames)
                 except WireError as err:
                     log(f"dropped a malformed message from the trainer: {err}")
                     continue
@@ -171,7 +183,7 @@ def _session(address, token, engine, server_id, worker: _Worker, log) -> int | N
                 if kind in ("welcome", "weights", "request"):
                     if kind == "request":
                         log(f"step {header['step']}: {len(header['request_ids'])} requests (weights version {header['version']})")
-                    worker.jobs.put((kind, header, rest))
+                    worker.jobs.put((kind, header))
             now = time.monotonic()
             if heartbeat_s is None:
                 continue  # not welcomed yet: the hello waits in ZeroMQ's queue until the trainer is there

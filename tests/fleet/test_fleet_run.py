@@ -103,6 +103,7 @@ def test_fleet_survives_lost_servers_and_its_trainer_and_equals_the_colocated_ru
         server_log = (tmp_path / f"{name}.log").read_text()
         assert "the trainer closed the connection: joining again" in server_log, server_log[-3000:]
         assert "kept the engine built for this model" in server_log, server_log[-3000:]
+        assert server_log.count("weight link built") == 2, server_log[-3000:]  # a link from each trainer
 
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]

@@ -9,8 +9,9 @@ import pytest
 import torch
 import zmq
 
+from megarl.fleet import link
 from megarl.fleet.endpoint import FleetEndpoint, WaitStopped
-from megarl.fleet.wire import WireError, decode, encode, frame_tensors, tensor_frames, token_matches
+from megarl.fleet.wire import WireError, decode, encode, token_matches
 
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 4, "stop_token_ids": [2], "banned_token_ids": []}
 
@@ -18,18 +19,17 @@ SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 4, "
 def test_messages_round_trip():
     frames = encode("request", step=3, version=2, request_ids=[7, 8], prompt_index=[0, 1], prompt_ids=[[5, 6], [7]],
                     seeds=[[11, 12], [13, 14]], sampling=SAMPLING)
-    header, rest = decode(frames)
-    assert header == {"type": "request", "step": 3, "version": 2, "request_ids": [7, 8], "prompt_index": [0, 1],
-                      "prompt_ids": [[5, 6], [7]], "seeds": [[11, 12], [13, 14]], "sampling": SAMPLING}
-    assert rest == []
+    assert decode(frames) == {"type": "request", "step": 3, "version": 2, "request_ids": [7, 8], "prompt_index": [0, 1],
+                              "prompt_ids": [[5, 6], [7]], "seeds": [[11, 12], [13, 14]], "sampling": SAMPLING}
 
 
 def test_weights_round_trip_every_dtype_bitwise():
     named = [("a", torch.randn(3, 4)), ("b", torch.randn(5).to(torch.bfloat16)), ("c", torch.arange(6).reshape(2, 3)),
              ("empty", torch.zeros(0, 2))]
-    entries, frames = tensor_frames(named)
-    header, rest = decode(encode("weights", frames, version=1, tensors=entries))
-    back = frame_tensors(header, rest)
+    entries, flat = link.flatten(named)
+    header = decode(encode("weights", version=1, tensors=entries, bytes=flat.numel()))
+    assert header["bytes"] == link.nbytes(entries) == 3 * 4 * 4 + 16 + 6 * 8  # bf16's 10 bytes padded to 16
+    back = link.unflatten(header["tensors"], flat.clone())
     assert [n for n, _ in back] == ["a", "b", "c", "empty"]
     for (_, x), (_, y) in zip(named, back):
         assert x.dtype == y.dtype and torch.equal(x, y)
@@ -49,11 +49,13 @@ def _header(**fields) -> bytes:
     ([_header(type="heartbeat", version="1")], "heartbeat: field 'version' has the wrong type (str)"),
     ([_header(type="heartbeat", version=True)], "heartbeat: field 'version' has the wrong type (bool)"),
     ([_header(type="heartbeat", version=1), b"x"], "heartbeat carries 1 extra frames"),
-    ([_header(type="weights", version=1, tensors=[{"name": "w", "dtype": "float32", "shape": [2]}]), b"abc"],
-     "weights: tensor 'w' is 3 bytes, its shape and dtype say 8"),
-    ([_header(type="weights", version=1, tensors=[{"name": "w", "dtype": "object", "shape": [1]}]), b"x"],
+    ([_header(type="weights", version=1, tensors=[{"name": "w", "dtype": "float32", "shape": [2]}], bytes=3)],
+     "weights: 3 bytes, but its tensors' shapes and dtypes say 8 (each at a multiple of 8)"),
+    ([_header(type="weights", version=1, tensors=[{"name": "w", "dtype": "object", "shape": [1]}], bytes=1)],
      "weights: tensor 'w' has dtype 'object'"),
-    ([_header(type="weights", version=1, tensors=[])] + [b"x"], "weights: 0 tensor entries but 1 frames"),
+    ([_header(type="weights", version=1, tensors=[], bytes=0), b"x"], "weights carries 1 extra frames"),
+    ([_header(type="welcome", model_config={}, dtype="float32", heartbeat_s=1.0, transfer={"port": 1})],
+     "welcome.transfer: missing field 'backend'"),
     ([_header(type="request", step=1, version=1, request_ids=[1], prompt_index=[0], prompt_ids=[[1]], seeds=[],
               sampling=SAMPLING)], "request: request_ids, prompt_index, prompt_ids and seeds differ in length"),
     ([_header(type="result", step=1, version=1, request_ids=[1], samples=[{"request_id": 1}], tokens_per_s=1.0)],
@@ -81,7 +83,7 @@ def _recv(sock, timeout_s: float = 5.0, skip_heartbeats: bool = False):
     """The next message's header (None within timeout_s); the endpoint's heartbeats skipped if asked."""
     deadline = time.monotonic() + timeout_s
     while sock.poll(max(int((deadline - time.monotonic()) * 1000), 0)):
-        header = decode(sock.recv_multipart())[0]
+        header = decode(sock.recv_multipart())
         if not (skip_heartbeats and header["type"] == "heartbeat"):
             return header
     return None
@@ -111,10 +113,13 @@ def test_endpoint_refuses_a_wrong_token_and_drops_malformed_messages():
         server.send_multipart(encode("hello", token="s3cret", server_id="good", engine="hf"))
         welcome = _recv(server)
         assert welcome["type"] == "welcome" and welcome["model_config"] == {"model_type": "llama"}
-        frames = server.recv_multipart()
-        header, rest = decode(frames)
+        # the server built its engine: it joins the link offered, and the current weights come over it
+        server.send_multipart(encode("link", prefix=welcome["transfer"]["prefix"]))
+        group = link.join("127.0.0.1", welcome["transfer"])
+        header = _recv(server, skip_heartbeats=True)
         assert header["type"] == "weights" and header["version"] == 1
-        assert torch.equal(frame_tensors(header, rest)[0][1], torch.ones(2))
+        flat = link.receive(group, header["bytes"], 10.0)
+        assert torch.equal(link.unflatten(header["tensors"], flat)[0][1], torch.ones(2))
         deadline = time.monotonic() + 5
         while len([line for line in lines if "dropped" in line]) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -183,8 +188,7 @@ def test_endpoint_resubmits_a_lost_servers_requests_and_drops_its_late_answer():
             sock.connect(f"tcp://127.0.0.1:{port}")
             sock.send_multipart(encode("hello", token="tok", server_id=name, engine="hf"))
             assert _recv(sock, skip_heartbeats=True)["type"] == "welcome"
-            assert _recv(sock, skip_heartbeats=True)["type"] == "weights"
-            sock.send_multipart(encode("ready", version=1))
+            sock.send_multipart(encode("ready", version=1))  # no link: the weights do not matter here
         requests = [{"prompt_index": i, "prompt_ids": [1, i], "seeds": [10 * i, 10 * i + 1]} for i in range(4)]
         runner = threading.Thread(target=lambda: out.update(endpoint.run(1, requests, SAMPLING, min_servers=2)))
         runner.start()
@@ -197,7 +201,7 @@ def test_endpoint_resubmits_a_lost_servers_requests_and_drops_its_late_answer():
         while runner.is_alive() and time.monotonic() < deadline:  # s1 beats on; s2 stays silent
             s1.send_multipart(encode("heartbeat", version=1))
             if s1.poll(200):
-                header, _ = decode(s1.recv_multipart())
+                header = decode(s1.recv_multipart())
                 if header["type"] == "request":
                     chunks.append(header)
                     s1.send_multipart(_answer(header, drop_one=not malformed_sent))
@@ -234,5 +238,49 @@ def test_a_wait_for_servers_ends_when_stop_says_so():
         assert len(asked) == 6  # asked at each look while it waited, stopped at the first yes
         assert any("step 3: waiting for rollout servers: 0 of 2" in line for line in lines)
     finally:
+        endpoint.close(farewell=False)
+
+
+def test_a_server_whose_link_breaks_is_lost_and_a_new_one_gets_a_new_link():
+    """Each joined server has a weight link of its own: a publish reaches every linked server over
+    its link; a server whose link breaks (its group gone: a dead process) is lost at the next
+    publish, and the other server, linked apart, still gets every version."""
+    lines: list[str] = []
+    port = _port()
+    endpoint = FleetEndpoint("127.0.0.1", port, "tok", 30.0, {}, "float32", log=lines.append)
+    context = zmq.Context.instance()
+    socks, groups, offers = {}, {}, {}
+    try:
+        endpoint.publish(1, [("w", torch.full((3,), 1.0))])
+        for name in ("s1", "s2"):
+            sock = socks[name] = context.socket(zmq.DEALER)
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            sock.send_multipart(encode("hello", token="tok", server_id=name, engine="hf"))
+            offers[name] = _recv(sock, skip_heartbeats=True)["transfer"]
+            sock.send_multipart(encode("link", prefix=offers[name]["prefix"]))
+            groups[name] = link.join("127.0.0.1", offers[name])
+            header = _recv(sock, skip_heartbeats=True)
+            assert header["version"] == 1
+            assert torch.equal(link.unflatten(header["tensors"], link.receive(groups[name], header["bytes"], 10.0))[0][1],
+                               torch.full((3,), 1.0))
+        assert offers["s1"]["prefix"] != offers["s2"]["prefix"]  # a link each
+        del groups["s2"]  # s2's process is gone: its end of the link closes
+        import threading
+
+        got = {}
+
+        def s1_receives():
+            header = _recv(socks["s1"], skip_heartbeats=True)
+            got[header["version"]] = link.unflatten(header["tensors"], link.receive(groups["s1"], header["bytes"], 10.0))
+        receiver = threading.Thread(target=s1_receives)
+        receiver.start()
+        endpoint.publish(2, [("w", torch.full((3,), 2.0))])
+        receiver.join(timeout=30)
+        assert torch.equal(got[2][0][1], torch.full((3,), 2.0))
+        assert any(line.startswith("megarl fleet: lost server s2 (its weight link broke:") for line in lines), lines
+        assert endpoint.stats.lost_total == 1
+    finally:
+        for sock in socks.values():
+            sock.close(0)
         endpoint.close(farewell=False)
 

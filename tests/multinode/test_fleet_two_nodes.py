@@ -75,7 +75,10 @@ def test_fleet_across_nodes_survives_a_cut_link(tmp_path):
                     proc.wait()
     log = trainer_log.read_text()
     assert "megarl fleet: lost server b (silent for" in log
-    assert "joining again" in (tmp_path / "b.log").read_text()
+    b_log = (tmp_path / "b.log").read_text()
+    assert "joining again" in b_log
+    # the weights go over a link of b's own, across the nodes; joining again, b got a new one
+    assert b_log.count("weight link built") == 2 and log.count("megarl fleet: weight link to server b built") == 2
     metrics = read_metrics(run_dir)
     assert [m["fleet/servers"] for m in metrics] == [2, 1, 2]
     assert (metrics[-1]["fleet/lost_total"], metrics[-1]["fleet/joined_total"]) == (1, 3)
