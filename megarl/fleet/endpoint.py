@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable
 import zmq
 
 from megarl.fleet import link
+from megarl.fleet.log import BackgroundLog
 from megarl.fleet.mailbox import Mailbox
 from megarl.fleet.wire import MAX_HEADER_BYTES, WireError, decode, encode, token_matches
 
@@ -87,7 +88,8 @@ class FleetEndpoint:
 
     def __init__(self, host: str, port: int, token: str, heartbeat_s: float, model_config: dict, dtype: str,
                  log: Callable[[str], None] = print):
-        self.token, self.heartbeat_s, self.log = token, heartbeat_s, log
+        self.token, self.heartbeat_s = token, heartbeat_s
+        self.log = BackgroundLog(log)  # a slow log write never holds up the socket's thread (megarl/fleet/log.py)
         self._model_config, self._dtype = model_config, dtype
         # building a link and sending the weights over it: both ends are there when it starts, so
         # only a dead or cut-off server takes this long (and is then lost)
@@ -191,6 +193,7 @@ class FleetEndpoint:
             time.sleep(0.02)
         self._stop.set()
         self._thread.join(timeout=5.0)
+        self.log.close()
 
     def _hand_out(self, step, version, todo, requests, ids, sampling, ready, owner) -> None:
         """Contiguous chunks of `todo`, one per ready server (under the lock)."""

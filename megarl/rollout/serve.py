@@ -28,6 +28,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from megarl.fleet import link
+from megarl.fleet.log import BackgroundLog
 from megarl.fleet.mailbox import Mailbox
 from megarl.fleet.wire import DTYPES, WireError, decode, encode
 from megarl.rollout.base import RolloutRequest, SamplingParams
@@ -123,9 +124,8 @@ class _Worker:
 
 def serve(address: str, token: str, engine: str, server_id: str, device: str) -> int:
     """Join the run at `address` until it ends (0) or refuses this server (2); rejoin if it falls silent."""
-    def log(message: str) -> None:
-        print(f"megarl serve {server_id}: {message}", flush=True)
-
+    # written by a thread of its own: a blocked write must not delay the heartbeats (megarl/fleet/log.py)
+    log = BackgroundLog(lambda message: print(f"megarl serve {server_id}: {message}", flush=True))
     worker = _Worker(server_id, device, address.rpartition(":")[0], log)
     while True:
         outcome = _session(address, token, engine, server_id, worker, log)
@@ -133,6 +133,7 @@ def serve(address: str, token: str, engine: str, server_id: str, device: str) ->
             worker.jobs.put(("stop", None))
             worker.thread.join()
             zmq.Context.instance().term()
+            log.close()
             return outcome
         time.sleep(1.0)
 

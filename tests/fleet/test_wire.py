@@ -236,9 +236,9 @@ def test_a_wait_for_servers_ends_when_stop_says_so():
             endpoint.run(3, [{"prompt_index": 0, "prompt_ids": [1, 2], "seeds": [7]}],
                          {"temperature": 1.0}, 2, stop=lambda: asked.append(1) or len(asked) > 5)
         assert len(asked) == 6  # asked at each look while it waited, stopped at the first yes
-        assert any("step 3: waiting for rollout servers: 0 of 2" in line for line in lines)
     finally:
-        endpoint.close(farewell=False)
+        endpoint.close(farewell=False)  # writes the log's last lines
+    assert any("step 3: waiting for rollout servers: 0 of 2" in line for line in lines)
 
 
 def test_a_server_whose_link_breaks_is_lost_and_a_new_one_gets_a_new_link():
@@ -277,10 +277,42 @@ def test_a_server_whose_link_breaks_is_lost_and_a_new_one_gets_a_new_link():
         endpoint.publish(2, [("w", torch.full((3,), 2.0))])
         receiver.join(timeout=30)
         assert torch.equal(got[2][0][1], torch.full((3,), 2.0))
-        assert any(line.startswith("megarl fleet: lost server s2 (its weight link broke:") for line in lines), lines
         assert endpoint.stats.lost_total == 1
     finally:
         for sock in socks.values():
             sock.close(0)
         endpoint.close(farewell=False)
+    assert any(line.startswith("megarl fleet: lost server s2 (its weight link broke:") for line in lines), lines
+
+
+def test_a_blocked_log_never_holds_up_the_endpoint():
+    """The endpoint's log lines are written by a thread of their own: with every write blocked (a log
+    file under the kernel's dirty-page throttling, a full pipe), a server still joins, gets its
+    welcome and the trainer's heartbeats, and is not lost; the lines are written, in order, once
+    the writes go through."""
+    import threading
+
+    release, written = threading.Event(), []
+
+    def blocked(line: str) -> None:
+        release.wait()
+        written.append(line)
+
+    endpoint = FleetEndpoint("127.0.0.1", port := _port(), "tok", 0.6, {}, "float32", log=blocked)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send_multipart(encode("hello", token="tok", server_id="s", engine="hf"))
+        assert _recv(sock)["type"] == "welcome"  # the join's log line is still waiting to be written
+        beats, deadline = 0, time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            sock.send_multipart(encode("heartbeat", version=0))
+            header = _recv(sock, 0.2)
+            beats += header is not None and header["type"] == "heartbeat"
+        assert beats >= 2 and endpoint.stats.lost_total == 0 and written == []
+    finally:
+        release.set()
+        sock.close(0)
+        endpoint.close(farewell=False)
+    assert written[0] == "megarl fleet: server s joined; 1 joined"
 
