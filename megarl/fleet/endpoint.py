@@ -129,13 +129,16 @@ class FleetEndpoint:
 
     def publish(self, version: int, named_tensors: Iterable) -> set[str]:
         """Weights `version` (HF names, full tensors) to every linked server, and to every later one
-        when its link is built; returns once each has them or is lost. The names sent."""
+        when its link is built. Returns once the sends are issued: the servers receive and load
+        while the trainer goes on (`run` waits for the servers that hold the version), and a server
+        whose send fails is lost then. The names sent."""
         entries, flat = link.flatten(named_tensors)
         message = encode("weights", version=version, tensors=entries, bytes=flat.numel())
         with self._cond:
             self._weights = (version, message, flat)
             sends = [(server, self._send_weights(server)) for server in self._servers.values() if server.link]
-        self._await(sends)
+        if sends:
+            threading.Thread(target=self._await, args=(sends,), name="megarl-fleet-send", daemon=True).start()
         return {entry["name"] for entry in entries}
 
     def run(self, step: int, requests: list[dict], sampling: dict, min_servers: int,
