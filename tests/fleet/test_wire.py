@@ -277,6 +277,9 @@ def test_a_server_whose_link_breaks_is_lost_and_a_new_one_gets_a_new_link():
         endpoint.publish(2, [("w", torch.full((3,), 2.0))])
         receiver.join(timeout=30)
         assert torch.equal(got[2][0][1], torch.full((3,), 2.0))
+        deadline = time.monotonic() + 30  # publish returned once the sends were issued: a thread awaits them
+        while endpoint.stats.lost_total < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert endpoint.stats.lost_total == 1
     finally:
         for sock in socks.values():
