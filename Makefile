@@ -97,7 +97,7 @@ DOCKER_TEST := tests/image/test_docker_check.py::test_make_docker_check_passes_o
 TEST_FIRST := tests/multinode
 test:
 	@mkdir -p runs; rm -f runs/test-durations.json; \
-	setsid sh -c 'echo 19 > /proc/self/autogroup 2>/dev/null; exec nice -n 19 ionice -c 3 "$$@"' envs \
+	setsid sh -c '{ echo 19 > /proc/self/autogroup; } 2>/dev/null; exec nice -n 19 ionice -c 3 "$$@"' envs \
 		$(MAKE) --no-print-directory $(CORE_SETUP) venv-vllm docker-check > runs/envs.log 2>&1 & envs=$$!; \
 	trap 'kill -- -$$envs 2>/dev/null; exit 130' INT TERM; \
 	status=0; \
@@ -105,7 +105,7 @@ test:
 	nice -n 19 $(MAKE) --no-print-directory lint > runs/lint.log 2>&1 & lint=$$!; \
 	MEGARL_TEST_FIRST=$(TEST_FIRST) $(MAKE) --no-print-directory test-full TEST_FULL_ARGS="--deselect $(DOCKER_TEST)" || status=1; \
 	wait $$lint || status=1; echo "--- make lint (ran beside the full suite; log: runs/lint.log) ---"; cat runs/lint.log; \
-	echo 0 > /proc/$$envs/autogroup 2>/dev/null; renice -n 0 -g $$envs >/dev/null 2>&1; ionice -c 2 -P $$envs >/dev/null 2>&1; \
+	{ echo 0 > /proc/$$envs/autogroup; } 2>/dev/null; renice -n 0 -g $$envs >/dev/null 2>&1; ionice -c 2 -P $$envs >/dev/null 2>&1; \
 	if ! wait $$envs; then echo "building the other environments or make docker-check failed:"; tail -n 40 runs/envs.log; exit 1; fi; \
 	$(MAKE) --no-print-directory test-vllm > runs/test-vllm.log 2>&1 & vllm=$$!; \
 	$(MAKE) --no-print-directory test-core || status=1; \

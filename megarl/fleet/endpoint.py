@@ -373,10 +373,7 @@ class FleetEndpoint:
         lock, so that every link sees the versions in order); the send's work."""
         _, message, flat = self._weights
         self._outbox.put((server.identity, message))
-        try:
-            return link.send(server.link, flat)
-        except Exception as err:  # a link already known broken fails at once: _await loses the server
-            return _Broken(err)
+        return link.send(server.link, flat)
 
     def _await(self, sends: list) -> None:
         """Each send finished; a server whose link broke (dead, or cut off for link_timeout_s) is lost."""
@@ -386,16 +383,6 @@ class FleetEndpoint:
             except Exception as err:
                 with self._cond:
                     self._lose(server, f"its weight link broke: {_first_line(err)}")
-
-
-class _Broken:
-    """The work of a send that failed when it was issued."""
-
-    def __init__(self, err: Exception):
-        self.err = err
-
-    def wait(self, timeout=None):
-        raise self.err
 
 
 def _first_line(err: Exception) -> str:

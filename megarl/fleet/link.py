@@ -22,19 +22,15 @@ import torch
 import torch.distributed as dist
 
 from megarl.fleet.wire import DTYPE_NAMES, DTYPES, aligned
+from megarl.platform.process_groups import gloo_group
 
 BACKEND = "gloo"
-WILDCARDS = ("", "0.0.0.0", "::")
 
 
 def _group(store: dist.Store, prefix: str, rank: int, host: str, timeout_s: float) -> dist.ProcessGroup:
     """The two-rank gloo group of link `prefix`, its transport bound to `host` (blocks until both
     ranks are there, at most timeout_s)."""
-    options = dist.ProcessGroupGloo._Options()
-    options._devices = [dist.ProcessGroupGloo.create_default_device() if host in WILDCARDS
-                        else dist.ProcessGroupGloo.create_device(hostname=host)]
-    options._timeout = datetime.timedelta(seconds=timeout_s)
-    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, 2, options)
+    return gloo_group(dist.PrefixStore(prefix, store), rank, 2, host, timeout_s)
 
 
 class LinkHost:
@@ -100,8 +96,22 @@ def unflatten(entries: list[dict], flat: torch.Tensor) -> list[tuple[str, torch.
 
 
 def send(link: dist.ProcessGroup, flat: torch.Tensor):
-    """The weights to the server (rank 1); the returned work's `wait()` raises if the link broke."""
-    return link.send([flat], 1, 0)
+    """The weights to the server (rank 1); the returned work's `wait()` raises if the link broke (at
+    once for a link already known broken, whose send fails as it is issued)."""
+    try:
+        return link.send([flat], 1, 0)
+    except Exception as err:
+        return _Broken(err)
+
+
+class _Broken:
+    """The work of a send that failed when it was issued."""
+
+    def __init__(self, err: Exception):
+        self.err = err
+
+    def wait(self, timeout=None):
+        raise self.err
 
 
 def receive(link: dist.ProcessGroup, size: int, timeout_s: float) -> torch.Tensor:

@@ -19,6 +19,13 @@ Internals read or written (torch.distributed.distributed_c10d):
 - `_world.pg_map[group]` = (backend, store) and `_get_default_store()`: the store of a group, on
   which the heartbeat (megarl.runtime.heartbeat) keeps its counters; no public accessor exists.
 
+Internals of torch.distributed.ProcessGroupGloo (GLOO_OPTIONS):
+- `ProcessGroupGloo._Options` with `_devices` and `_timeout` (`gloo_group`): a gloo group built
+  outside init_process_group whose transport binds to a given address. The fleet's weight links
+  (megarl.fleet.link) need one per server, built and rebuilt while training runs; the public
+  constructor binds to the address the host name resolves to, which on a multi-homed node (and on
+  the network-namespace nodes of tests/multinode) is not the address the trainer listens on.
+
 Public functions of torch.distributed replaced (callers that look them up as
 `torch.distributed.X` see the replacement):
 - `all_reduce`, for good (`install_all_reduce`): megarl.engine.solo_groups makes a synchronous
@@ -39,6 +46,7 @@ This module imports only torch and the standard library (megarl.platform is the 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 
 import torch.distributed as dist
@@ -53,6 +61,8 @@ INTERNALS = {
     "_get_default_group": "function () -> the default ProcessGroup",
     "_get_default_store": "function () -> the default group's Store",
 }
+# torch.distributed.ProcessGroupGloo's private options, and the attributes `gloo_group` sets on them.
+GLOO_OPTIONS = {"_Options": ("_devices", "_timeout")}
 # The public functions of torch.distributed replaced here or in fake_world, and the parameters the
 # replacements take or pass on by name.
 PATCHED = {
@@ -129,6 +139,18 @@ def group_store(group):
 def default_store():
     """The default process group's store."""
     return _c10d()._get_default_store()
+
+
+# Surgery: ProcessGroupGloo._Options (private). Reason: the fleet's weight links bind to the address
+# the trainer listens on. Checked on torch 2.13.0.
+def gloo_group(store, rank: int, size: int, host: str, timeout_s: float):
+    """A gloo group of `size` ranks meeting through `store`, its transport bound to `host` (the host
+    name's address when `host` is a wildcard); blocks until every rank is there, at most timeout_s."""
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_default_device() if host in ("", "0.0.0.0", "::")
+                        else dist.ProcessGroupGloo.create_device(hostname=host)]
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.ProcessGroupGloo(store, rank, size, options)
 
 
 # --- object collectives -----------------------------------------------------------------------------

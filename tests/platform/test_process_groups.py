@@ -60,6 +60,31 @@ def test_the_private_names_exist_with_the_expected_kind():
     assert isinstance(getattr(meta, "WORLD", None), property), checked("torch.distributed.group.WORLD is no longer a property")
 
 
+def test_gloo_options_exist_and_a_bound_group_of_two_sends():
+    """ProcessGroupGloo._Options with _devices and _timeout (GLOO_OPTIONS): gloo_group builds a group
+    bound to 127.0.0.1 outside init_process_group, and bytes go across it."""
+    import threading
+
+    import torch
+
+    for name, attrs in process_groups.GLOO_OPTIONS.items():
+        options = getattr(dist.ProcessGroupGloo, name, None)
+        assert options is not None, checked(f"torch.distributed.ProcessGroupGloo.{name} is gone")
+        assert all(hasattr(options(), a) for a in attrs), checked(f"ProcessGroupGloo.{name} lacks one of {attrs}")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    got = torch.zeros(4, dtype=torch.uint8)
+
+    def peer():
+        group = process_groups.gloo_group(dist.TCPStore("127.0.0.1", store.port), 1, 2, "127.0.0.1", 30.0)
+        group.recv([got], 0, 0).wait()
+    thread = threading.Thread(target=peer)
+    thread.start()
+    group = process_groups.gloo_group(store, 0, 2, "127.0.0.1", 30.0)
+    group.send([torch.arange(4, dtype=torch.uint8)], 1, 0).wait()
+    thread.join(timeout=30)
+    assert got.tolist() == [0, 1, 2, 3]
+
+
 def test_the_module_uses_no_private_name_it_does_not_declare():
     source = (REPO / "megarl/platform/process_groups.py").read_text()
     used = set(re.findall(r"c10d\.(_\w+)", source))
