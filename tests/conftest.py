@@ -62,17 +62,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _run_first(items: list, prefixes: str) -> None:
-    """MEGARL_TEST_FIRST=tests/multinode,...: the tests under these paths first, each group in its
+    """MEGARL_TEST_FIRST=tests/multinode,...: the tests under these paths (directories or files) first, each group in its
     collected order. `make test` puts the tests that mostly wait (namespaces' rendezvous, Slurm
     requeues, heartbeat timeouts) first, while the other environments are built beside them at low
     priority: the builds take the cores those tests leave idle instead of slowing the CPU-bound ones."""
-    wanted = [p.strip().rstrip("/") + "/" for p in prefixes.split(",") if p.strip()]
+    wanted = [p.strip().rstrip("/") for p in prefixes.split(",") if p.strip()]
     if not wanted:
         return
 
     def rank(item) -> int:
         path = Path(str(item.fspath)).resolve().relative_to(REPO).as_posix()
-        return next((i for i, prefix in enumerate(wanted) if path.startswith(prefix)), len(wanted))
+        return next((i for i, p in enumerate(wanted) if path == p or path.startswith(p + "/")), len(wanted))
 
     items[:] = sorted(items, key=rank)  # stable: the collected order within each group
 

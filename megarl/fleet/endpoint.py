@@ -331,10 +331,14 @@ class FleetEndpoint:
                                            heartbeat_s=self.heartbeat_s, transfer=offer)))
 
     def _beat(self, now: float) -> None:
-        """Heartbeats out; servers silent for heartbeat_s are lost."""
+        """Heartbeats out; servers silent for heartbeat_s are lost. A server still joining (welcomed,
+        no weights loaded yet) has link_timeout_s: building an engine can hold a server's
+        interpreter for seconds (imports, a model's construction), and in a CI run under heavy disk
+        writes a joining server fell silent for 3.8 s, was lost, and stalled its next join for a
+        minute; it holds no requests, so a longer grace costs nothing."""
         with self._cond:
             for server in list(self._servers.values()):
-                if now - server.last_seen > self.heartbeat_s:
+                if now - server.last_seen > (self.heartbeat_s if server.version else self.link_timeout_s):
                     self._lose(server, f"silent for {now - server.last_seen:.1f} s")
                 else:
                     self._outbox.put((server.identity, encode("heartbeat", version=self.version)))

@@ -319,3 +319,26 @@ def test_a_blocked_log_never_holds_up_the_endpoint():
         endpoint.close(farewell=False)
     assert written[0] == "megarl fleet: server s joined; 1 joined"
 
+
+def test_a_joining_server_has_the_link_timeout_not_heartbeat_s():
+    """A server welcomed but holding no weights yet (building its engine, which can hold its
+    interpreter for seconds) is not lost after heartbeat_s of silence; once it holds weights, it is."""
+    lines: list[str] = []
+    endpoint = FleetEndpoint("127.0.0.1", port := _port(), "tok", 0.3, {}, "float32", log=lines.append)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send_multipart(encode("hello", token="tok", server_id="slow", engine="hf"))
+        assert _recv(sock)["type"] == "welcome"
+        time.sleep(1.5)  # silent for 5 heartbeat_s while "building its engine"
+        assert endpoint.stats.lost_total == 0 and endpoint.link_timeout_s >= 60
+        sock.send_multipart(encode("ready", version=1))  # holds weights now: heartbeat_s applies
+        deadline = time.monotonic() + 10
+        while endpoint.stats.lost_total == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert endpoint.stats.lost_total == 1
+    finally:
+        sock.close(0)
+        endpoint.close(farewell=False)
+    assert any(line.startswith("megarl fleet: lost server slow (silent for") for line in lines)
+
