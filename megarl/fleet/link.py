@@ -69,12 +69,13 @@ def _address_towards(host: str) -> str:
 
 def flatten(named) -> tuple[list[dict], torch.Tensor]:
     """(the weights message's tensor entries, every tensor's bytes in one uint8 tensor, in order, each
-    at a multiple of wire.ALIGN): one copy of each tensor, taken as `named` yields it."""
+    at a multiple of wire.ALIGN). Each tensor is copied as `named` yields it: the stream may reuse its
+    buffers, so a view kept until the final concatenation could read the next tensor's values."""
     entries, parts = [], []
     for name, tensor in named:
         tensor = tensor.detach().to("cpu").contiguous()
         entries.append({"name": name, "dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape)})
-        data = tensor.reshape(-1).view(torch.uint8)
+        data = tensor.reshape(-1).view(torch.uint8).clone()
         parts += [data, torch.zeros(aligned(data.numel()) - data.numel(), dtype=torch.uint8)]
     return entries, torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
 
