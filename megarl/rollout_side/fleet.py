@@ -76,8 +76,8 @@ class FleetEngine:
         self.version += 1
         if self.endpoint is None:
             return {name for name, _ in weights}
-        # each tensor becomes its wire frame's bytes (a copy) as the stream yields it: the stream may
-        # reuse its buffers, and no second copy is needed
+        # publish copies each tensor into the weights buffer as the stream yields it (the stream may
+        # reuse its buffers): no copy here
         return self.endpoint.publish(self.version, weights)
 
     def generate(self, requests: list[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
