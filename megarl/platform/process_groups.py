@@ -146,7 +146,7 @@ def default_store():
 def gloo_group(store, rank: int, size: int, host: str, timeout_s: float):
     """A gloo group of `size` ranks meeting through `store`, its transport bound to `host` (the host
     name's address when `host` is a wildcard); blocks until every rank is there, at most timeout_s."""
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private: torch's stubs omit it
     options._devices = [dist.ProcessGroupGloo.create_default_device() if host in ("", "0.0.0.0", "::")
                         else dist.ProcessGroupGloo.create_device(hostname=host)]
     options._timeout = datetime.timedelta(seconds=timeout_s)
