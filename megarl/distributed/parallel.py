@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.layout import ParallelLayout, rollout_blocks
-from megarl.platform import current_platform, fake_world, init_platform
+from megarl.platform import current_platform, fake_world, init_platform, process_groups
 
 
 _DEGREES = ("world_size", "tp", "pp", "cp", "ep", "etp", "vpp", "first_stage_layers", "last_stage_layers", "sequence_parallel")
@@ -127,7 +127,10 @@ class ParallelDims:
                 f"{dist.get_world_size()} processes"
             )
         if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
+            self.destroy()
+        # what c10d held before Megatron's groups: destroy() destroys what was made after, which a
+        # process that goes on after this run (a test world, a user's launcher) would otherwise keep
+        self._groups_before = process_groups.registered_groups()
         with fake_world.gloo_groups_on_fake():  # the dry run's world of any size (megarl.tools.dryrun)
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=self.tp,
@@ -263,6 +266,10 @@ class ParallelDims:
 
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
+        before = self.__dict__.pop("_groups_before", None)
+        if before is not None and dist.is_initialized():
+            process_groups.destroy_groups_since(before)  # Megatron's, the rollout groups, separate placement's
+        self.__dict__.pop("_rollout_groups", None)
         self._initialized = False
 
 

@@ -8,9 +8,11 @@ or replaces an attribute of torch.distributed (the scan names the file and line)
 from __future__ import annotations
 
 import ast
+import gc
 import inspect
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -176,6 +178,49 @@ def test_keep_default_group_keeps_the_world_and_restores_destroy(world):
             raise RuntimeError("inside")
     assert dist.destroy_process_group is real  # restored on an exception too
     assert dist.is_initialized()
+
+
+def _gloo_threads(at_most: int | None = None) -> int:
+    """This process's gloo run-loop threads (2 per gloo group by default), once their number has settled
+    (a destroyed group's threads end a moment later): within 5 s at most `at_most`, if given."""
+    def count() -> int:
+        names = []
+        for task in Path("/proc/self/task").iterdir():
+            try:
+                names.append((task / "comm").read_text().strip())
+            except OSError:  # the thread ended while listed
+                pass
+        return names.count("pt_gloo_runloop")
+
+    deadline, last = time.monotonic() + 5, -1
+    while time.monotonic() < deadline:
+        now = count()
+        if (at_most is not None and now <= at_most) or (at_most is None and now == last):
+            return now
+        last = now
+        time.sleep(0.2)
+    return count()
+
+
+def test_a_layout_closed_inside_a_world_that_goes_on_destroys_the_groups_it_made(world):
+    """A run opened inside an existing world (a test world, a user's launcher) must leave c10d as it found
+    it: Megatron's destroy_model_parallel only drops its references, and each group kept its gloo threads
+    (a test world's rank had 900 threads after a few hundred runs, most of its time in the kernel)."""
+    from megarl.distributed.parallel import ParallelDims
+
+    mine = dist.new_group([0])  # made before the layout: kept
+    before, threads = process_groups.registered_groups(), _gloo_threads()
+    dims = ParallelDims(world_size=1).initialize()
+    made = len(process_groups.registered_groups() - before)
+    assert made > 3 and _gloo_threads() > threads  # Megatron's groups, each with its threads
+    dims.rollout_groups(1)
+    dims.destroy()
+    gc.collect()
+    assert process_groups.registered_groups() == before, checked("c10d._world.pg_map after destroy_groups_since")
+    assert _gloo_threads(at_most=threads + 4) <= threads + 4  # Megatron 0.16 keeps two groups referenced until its next build
+    assert mine in process_groups.registered_groups() and world in process_groups.registered_groups()
+    dist.destroy_process_group(mine)
+    assert process_groups.destroy_groups_since(process_groups.registered_groups()) == 0  # nothing new: nothing destroyed
 
 
 def test_all_reduce_is_installed_and_uninstalled(world, monkeypatch):
