@@ -91,6 +91,13 @@ def run_job(job: dict, ppo) -> dict:
         _leave(job["port"])
     else:
         _join(job["port"])
+    import torch.distributed as dist
+
+    from megarl.platform import process_groups
+
+    # what c10d holds before the job: the groups a job made and left (a function that built Megatron's
+    # groups itself) are destroyed after it, or each would keep its gloo threads in this rank for good
+    before = process_groups.registered_groups() if dist.is_initialized() else None
     saved_env = dict(os.environ)
     os.environ.update(job.get("env") or {})
     sys.stdout.flush()
@@ -122,19 +129,23 @@ def run_job(job: dict, ppo) -> dict:
             os.close(saved[1])
     os.environ.clear()
     os.environ.update(saved_env)
+    _tidy(before)
     return {"code": code, "result": result}
 
 
-def _tidy() -> bool:
-    """Megatron's groups down after a job; whether this rank can take another (the next job makes the
+def _tidy(before: frozenset | None) -> None:
+    """Megatron's groups down after a job, and every group the job made and left (the next job makes the
     world's default group again if this one ended it)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from megarl.platform import process_groups
+
     if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    if before is not None and dist.is_initialized():
+        process_groups.destroy_groups_since(before)
     gc.collect()
-    return True
 
 
 def main() -> int:
@@ -151,7 +162,7 @@ def main() -> int:
         if job is None:
             break
         answer = run_job(job, ppo)
-        answer["reusable"] = _tidy() and answer["code"] == 0
+        answer["reusable"] = answer["code"] == 0
         conn.send(answer)
         if not answer["reusable"]:
             break
