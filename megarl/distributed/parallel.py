@@ -266,11 +266,22 @@ class ParallelDims:
 
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
+        # Megatron's RotaryEmbedding.forward is an lru_cache over `self` (32 entries): it kept the last
+        # models' rotary modules alive, and through them their process groups and gloo threads
+        clear = getattr(_rotary_embedding().forward, "cache_clear", None)
+        if clear is not None:
+            clear()
         before = self.__dict__.pop("_groups_before", None)
         if before is not None and dist.is_initialized():
             process_groups.destroy_groups_since(before)  # Megatron's, the rollout groups, separate placement's
         self.__dict__.pop("_rollout_groups", None)
         self._initialized = False
+
+
+def _rotary_embedding():
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding  # deferred: megatron
+
+    return RotaryEmbedding
 
 
 @dataclass(frozen=True)
