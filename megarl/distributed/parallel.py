@@ -266,11 +266,13 @@ class ParallelDims:
 
         if parallel_state.model_parallel_is_initialized():
             parallel_state.destroy_model_parallel()
-        # Megatron's RotaryEmbedding.forward is an lru_cache over `self` (32 entries): it kept the last
-        # models' rotary modules alive, and through them their process groups and gloo threads
-        clear = getattr(_rotary_embedding().forward, "cache_clear", None)
-        if clear is not None:
-            clear()
+        # Megatron's RotaryEmbedding.forward and YarnRotaryEmbedding.forward (MLA) are lru_caches over
+        # `self` (32 entries each): they kept the last models' rotary modules alive, and through them
+        # their process groups and gloo threads
+        for rotary in _rotary_embeddings():
+            clear = getattr(rotary.forward, "cache_clear", None)
+            if clear is not None:
+                clear()
         before = self.__dict__.pop("_groups_before", None)
         if before is not None and dist.is_initialized():
             process_groups.destroy_groups_since(before)  # Megatron's, the rollout groups, separate placement's
@@ -278,10 +280,12 @@ class ParallelDims:
         self._initialized = False
 
 
-def _rotary_embedding():
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding  # deferred: megatron
+def _rotary_embeddings() -> tuple:
+    # deferred: megatron (seconds to import) loads only when this runs
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
-    return RotaryEmbedding
+    return RotaryEmbedding, YarnRotaryEmbedding
 
 
 @dataclass(frozen=True)

@@ -215,11 +215,13 @@ def test_a_layout_closed_inside_a_world_that_goes_on_destroys_the_groups_it_made
     assert made > 3 and _gloo_threads() > threads  # Megatron's groups, each with its threads
     dims.rollout_groups(1)
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
 
-    RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)(4)  # Megatron caches it, and its cp group
-    assert RotaryEmbedding.forward.cache_info().currsize > 0
+    for rotary in (RotaryEmbedding, YarnRotaryEmbedding):  # Megatron caches each module, and its cp group
+        rotary(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)(4)
+        assert rotary.forward.cache_info().currsize > 0, rotary.__name__
     dims.destroy()
-    assert RotaryEmbedding.forward.cache_info().currsize == 0
+    assert [rotary.forward.cache_info().currsize for rotary in (RotaryEmbedding, YarnRotaryEmbedding)] == [0, 0]
     gc.collect()
     assert process_groups.registered_groups() == before, checked("c10d._world.pg_map after destroy_groups_since")
     assert _gloo_threads(at_most=threads + 4) <= threads + 4  # Megatron 0.16 keeps two groups referenced until its next build
