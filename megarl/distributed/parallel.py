@@ -128,9 +128,10 @@ class ParallelDims:
             )
         if parallel_state.model_parallel_is_initialized():
             self.destroy()
-        # what c10d held before Megatron's groups: destroy() destroys what was made after, which a
-        # process that goes on after this run (a test world, a user's launcher) would otherwise keep
-        self._groups_before = process_groups.registered_groups()
+        # what c10d held before Megatron's groups: destroy() destroys the groups initialize_model_parallel
+        # made, which a process that goes on after this run (a test world, a user's launcher) would
+        # otherwise keep; groups made later (the rollout engine's, vLLM's own) are their owners' to end
+        before = process_groups.registered_groups()
         with fake_world.gloo_groups_on_fake():  # the dry run's world of any size (megarl.tools.dryrun)
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=self.tp,
@@ -143,6 +144,7 @@ class ParallelDims:
             )
         # Megatron's named RNG states (per TP rank, per EP rank); weights come from checkpoints and
         # dropout is off, so these only matter for optional random init.
+        self._groups_made = process_groups.registered_groups() - before
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         self._initialized = True
         return self
@@ -273,10 +275,9 @@ class ParallelDims:
             clear = getattr(rotary.forward, "cache_clear", None)
             if clear is not None:
                 clear()
-        before = self.__dict__.pop("_groups_before", None)
-        if before is not None and dist.is_initialized():
-            process_groups.destroy_groups_since(before)  # Megatron's, the rollout groups, separate placement's
-        self.__dict__.pop("_rollout_groups", None)
+        made = self.__dict__.pop("_groups_made", None)
+        if made and dist.is_initialized():
+            process_groups.destroy_groups(made)  # Megatron's (collective-free: each rank ends its own)
         self._initialized = False
 
 

@@ -144,11 +144,17 @@ def registered_groups() -> frozenset:
 def destroy_groups_since(before: frozenset) -> int:
     """Destroy every group registered after `before` was taken (registered_groups()), never the
     current default group; returns how many. Local, not a collective: every rank calls it for itself."""
+    return destroy_groups(registered_groups() - before)
+
+
+def destroy_groups(groups) -> int:
+    """Destroy those of `groups` c10d still holds, never the current default group; returns how many."""
     default = _c10d()._world.default_pg
-    made = [group for group in list(_c10d()._world.pg_map) if group not in before and group is not default]
-    for group in made:
+    held = _c10d()._world.pg_map
+    ended = [group for group in groups if group in held and group is not default]
+    for group in ended:
         dist.destroy_process_group(group)
-    return len(made)
+    return len(ended)
 
 
 # --- stores ----------------------------------------------------------------------------------------
