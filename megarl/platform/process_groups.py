@@ -19,8 +19,9 @@ Internals read or written (torch.distributed.distributed_c10d):
 - `_world.pg_map[group]` = (backend, store) and `_get_default_store()`: the store of a group, on
   which the heartbeat (megarl.runtime.heartbeat) keeps its counters; no public accessor exists.
 - `_world.pg_map` (its keys): the groups c10d holds (`registered_groups`), so that a run opened
-  inside a world that goes on destroys the groups it made when it closes (`destroy_groups_since`):
-  torch has no public list of them, and each keeps its threads until destroyed.
+  inside a world that goes on destroys Megatron's groups when it closes (`destroy_groups`, from
+  ParallelDims.destroy) and a test world what a job left (`destroy_groups_since`): torch has no public
+  list of them, and each keeps its threads until destroyed.
 
 Internals of torch.distributed.ProcessGroupGloo (GLOO_OPTIONS):
 - `ProcessGroupGloo._Options` with `_devices` and `_timeout` (`gloo_group`): a gloo group built
