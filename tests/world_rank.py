@@ -134,15 +134,15 @@ def run_job(job: dict, ppo) -> dict:
 
 
 def _tidy(before: frozenset | None) -> None:
-    """Megatron's groups down after a job, and every group the job made and left (the next job makes the
+    """Megatron's state and models forgotten after a job, and every group the job made and left (the next job makes the
     world's default group again if this one ended it)."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
+    from megarl.distributed.parallel import forget_megatron_models
     from megarl.platform import process_groups
 
-    if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    # also after a worker script, which ended the default group but left Megatron's state set
+    forget_megatron_models()
     if before is not None and dist.is_initialized():
         process_groups.destroy_groups_since(before)
     gc.collect()

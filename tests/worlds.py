@@ -29,6 +29,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 _WORLDS: dict[int, "World"] = {}
+# A rank after a PPO job holds ~60 threads; each run a job leaves alive adds ~50 (its gloo groups)
+MAX_RANK_THREADS = 200
 
 
 def enabled() -> bool:
@@ -113,6 +115,20 @@ class World:
             conn.close()
         self.procs, self.conns = [], []
 
+    def threads(self) -> list[int]:
+        """Each rank's thread count (Linux: /proc); [] where it cannot be read."""
+        try:
+            return [len(os.listdir(f"/proc/{proc.pid}/task")) for proc in self.procs]
+        except OSError:
+            return []
+
+    def _overgrown(self) -> bool:
+        """Whether a rank holds more threads than a fresh rank after any job of the suite (about 60): what
+        a job left alive (a model Megatron or a library keeps referenced, its process groups with it)
+        costs every later job, since each idle gloo TCP loop wakes every 10 ms. Such a world is restarted
+        before the next job (seconds) instead of slowing the rest of the session."""
+        return any(n > MAX_RANK_THREADS for n in self.threads())
+
     def _log_tails(self, chars: int = 3000) -> str:
         return "\n".join(f"--- rank {rank} ---\n{log.read_text()[-chars:]}" for rank, log in enumerate(self.logs) if log.exists())
 
@@ -149,7 +165,7 @@ class World:
                     failed_at = failed_at or time.time()
             if any(self.procs[r].poll() is not None for r in pending):
                 failed_at = failed_at or time.time()
-        if pending or not all(a is not None and a["reusable"] for a in answers):
+        if pending or not all(a is not None and a["reusable"] for a in answers) or self._overgrown():
             self.stop()
         read = [p.read_text() if p.exists() else "" for p in outs], [p.read_text() if p.exists() else "" for p in errs]
         for path in outs + errs:

@@ -264,21 +264,33 @@ class ParallelDims:
         return cache[tp]
 
     def destroy(self) -> None:
-        from megatron.core import parallel_state  # deferred: megatron (seconds to import) loads only when this runs
-
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        # Megatron's RotaryEmbedding.forward and YarnRotaryEmbedding.forward (MLA) are lru_caches over
-        # `self` (32 entries each): they kept the last models' rotary modules alive, and through them
-        # their process groups and gloo threads
-        for rotary in _rotary_embeddings():
-            clear = getattr(rotary.forward, "cache_clear", None)
-            if clear is not None:
-                clear()
+        forget_megatron_models()
         made = self.__dict__.pop("_groups_made", None)
         if made and dist.is_initialized():
             process_groups.destroy_groups(made)  # Megatron's (collective-free: each rank ends its own)
         self._initialized = False
+
+
+def forget_megatron_models() -> None:
+    """Megatron's parallel state reset, and what Megatron caches of the models built on it dropped, so
+    that the models, and through them their process groups and gloo threads, can be freed: a run closed
+    in a process that goes on (a test world, a user's own launcher) otherwise leaves each rank ~50
+    threads per run, every idle gloo TCP loop waking each 10 ms. Called by ParallelDims.destroy, and
+    by the test worlds after a job that built Megatron's state itself (a worker script)."""
+    # deferred: megatron (seconds to import) loads only when this runs
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    # destroy_model_parallel forgets these two (Megatron-Core 0.16 to 0.19)
+    for name in ("_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP", "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO"):
+        if hasattr(parallel_state, name):
+            setattr(parallel_state, name, None)
+    # RotaryEmbedding.forward and YarnRotaryEmbedding.forward (MLA) are lru_caches over `self` (32
+    # entries each): they kept the last models' rotary modules alive
+    for rotary in _rotary_embeddings():
+        clear = getattr(rotary.forward, "cache_clear", None)
+        if clear is not None:
+            clear()
 
 
 def _rotary_embeddings() -> tuple:

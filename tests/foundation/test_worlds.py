@@ -47,6 +47,17 @@ def test_a_job_that_ends_the_default_group_leaves_a_world_that_works(world2):
     assert world2.call(f"{JOBS}:all_reduce_rank") == [1, 1]
 
 
+def test_a_world_whose_ranks_a_job_left_overgrown_is_started_fresh(world2):
+    before = world2.call(f"{JOBS}:rank_and_pid")
+    world2.call(f"{JOBS}:leave_threads", 10)  # a few: the world goes on
+    assert world2.call(f"{JOBS}:rank_and_pid") == before
+    world2.call(f"{JOBS}:leave_threads", worlds.MAX_RANK_THREADS)  # past the bound: the next job gets new ranks
+    after = world2.call(f"{JOBS}:rank_and_pid")
+    assert [rank for rank, _ in after] == [0, 1]
+    assert not {pid for _, pid in after} & {pid for _, pid in before}
+    assert max(world2.threads()) <= worlds.MAX_RANK_THREADS
+
+
 def test_a_hung_job_is_stopped_at_its_timeout_naming_the_rank(world2):
     before = world2.call(f"{JOBS}:rank_and_pid")
     with pytest.raises(worlds.WorldFailed, match=r"rank 0 did not finish within 5 s"):

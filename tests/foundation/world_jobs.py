@@ -47,3 +47,19 @@ def end_the_default_group() -> None:
 
 def exit_with(code: int) -> None:
     sys.exit(code)
+
+
+_LEFT_ALIVE: list = []  # what a leaking job keeps referenced for the rest of the rank's life
+
+
+def leave_threads(count: int) -> None:
+    """A job that leaves `count` idle threads behind, as a job whose models stay referenced leaves their
+    process groups' gloo threads."""
+    import threading
+
+    stop = threading.Event()
+    _LEFT_ALIVE.append(stop)
+    for _ in range(count):
+        thread = threading.Thread(target=stop.wait, daemon=True)
+        thread.start()
+        _LEFT_ALIVE.append(thread)
