@@ -224,7 +224,8 @@ def test_a_layout_closed_inside_a_world_that_goes_on_destroys_the_groups_it_made
     assert [rotary.forward.cache_info().currsize for rotary in (RotaryEmbedding, YarnRotaryEmbedding)] == [0, 0]
     gc.collect()
     assert process_groups.registered_groups() == before, checked("c10d._world.pg_map after ParallelDims.destroy (destroy_groups)")
-    assert _gloo_threads(at_most=threads) == threads  # Megatron's globals reset, its two forgotten ones too
+    assert _gloo_threads(at_most=threads) <= threads  # Megatron's globals reset, its two forgotten ones too (fewer: the
+    # collection may also free what an earlier test of this process left)
     assert mine in process_groups.registered_groups() and world in process_groups.registered_groups()
     dist.destroy_process_group(mine)
     assert process_groups.destroy_groups_since(process_groups.registered_groups()) == 0  # nothing new: nothing destroyed
