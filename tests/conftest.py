@@ -51,7 +51,7 @@ def pytest_collection_modifyitems(config, items):
     # A namespace package is not vllm: tests/ is on sys.path, so the directory tests/vllm is found as "vllm".
     spec = importlib.util.find_spec("vllm")
     has_vllm = spec is not None and spec.origin not in (None, "namespace")
-    _run_first(items, os.environ.get("MEGARL_TEST_FIRST", ""))
+    _run_first(items, os.environ.get("MEGARL_TEST_FIRST", ""), os.environ.get("MEGARL_TEST_LAST", ""))
     for item in items:
         if "tests/vllm/" in Path(str(item.fspath)).as_posix():
             item.add_marker(pytest.mark.vllm)  # the real-vLLM tier is one directory: `-m vllm` selects it
@@ -61,18 +61,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_vllm)
 
 
-def _run_first(items: list, prefixes: str) -> None:
+def _run_first(items: list, prefixes: str, last: str = "") -> None:
     """MEGARL_TEST_FIRST=tests/multinode,...: the tests under these paths (directories or files) first, each group in its
     collected order. `make test` puts the tests that mostly wait (namespaces' rendezvous, Slurm
     requeues, heartbeat timeouts) first, while the other environments are built beside them at low
-    priority: the builds take the cores those tests leave idle instead of slowing the CPU-bound ones."""
+    priority: the builds take the cores those tests leave idle instead of slowing the CPU-bound ones.
+    MEGARL_TEST_LAST (the same form): these at the end, once the builds are done (the benchmark gate's
+    tests read wall-time ratios: beside the builds a 25% injected stall read 1.10x, inconclusive)."""
     wanted = [p.strip().rstrip("/") for p in prefixes.split(",") if p.strip()]
-    if not wanted:
+    at_end = [p.strip().rstrip("/") for p in last.split(",") if p.strip()]
+    if not wanted and not at_end:
         return
+
+    def under(path: str, paths: list[str]) -> bool:
+        return any(path == p or path.startswith(p + "/") for p in paths)
 
     def rank(item) -> int:
         path = Path(str(item.fspath)).resolve().relative_to(REPO).as_posix()
-        return next((i for i, p in enumerate(wanted) if path == p or path.startswith(p + "/")), len(wanted))
+        if under(path, at_end):
+            return len(wanted) + 1
+        return next((i for i, p in enumerate(wanted) if under(path, [p])), len(wanted))
 
     items[:] = sorted(items, key=rank)  # stable: the collected order within each group
 

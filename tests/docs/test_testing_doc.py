@@ -59,3 +59,16 @@ def test_make_tests_first_paths_run_first_in_their_collected_order():
         "tests/multinode/test_2.py", "tests/multinode/test_4.py", "tests/c/test_5.py", "tests/a/test_1.py", "tests/b/test_3.py"]
     conftest._run_first(items, "")  # unset: the order stays
     assert str(items[0].fspath.relative_to(REPO)) == "tests/multinode/test_2.py"
+
+
+def test_make_tests_last_paths_run_after_everything_else():
+    import conftest
+
+    class Item:
+        def __init__(self, path):
+            self.fspath = REPO / path
+
+    items = [Item(p) for p in ("tests/benchmarks/test_bench_gate.py", "tests/multinode/test_2.py", "tests/a/test_1.py")]
+    conftest._run_first(items, "tests/multinode", "tests/benchmarks/test_bench_gate.py")
+    assert [str(i.fspath.relative_to(REPO)) for i in items] == [
+        "tests/multinode/test_2.py", "tests/a/test_1.py", "tests/benchmarks/test_bench_gate.py"]
