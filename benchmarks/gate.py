@@ -212,8 +212,13 @@ def run_paired(base_root: Path, work: Path, config: str, extra: list[str], warmu
     return base, candidate
 
 
+def base_ran_first(warmup: int, rounds: int) -> list[bool]:
+    """Per recorded round, whether the base ran first (run_paired: base first in even rounds, warm-up included)."""
+    return [(warmup + j) % 2 == 0 for j in range(rounds)]
+
+
 def verdicts(base: Side, candidate: Side, tolerance: float, confidence: float,
-             min_seconds: float) -> tuple[list[gate_stats.PhaseVerdict], list[str]]:
+             min_seconds: float, warmup: int) -> tuple[list[gate_stats.PhaseVerdict], list[str]]:
     """A verdict per phase both sides ran in every round; and the phases only one side ran."""
     def phases(side: Side) -> set[str]:
         return set.intersection(*(set(r) for r in side.wall))
@@ -221,7 +226,7 @@ def verdicts(base: Side, candidate: Side, tolerance: float, confidence: float,
     both = phases(base) & phases(candidate)
     order = list(base.wall[0])  # the phases in the step's order, then 'step' (the probe adds it last)
     out = [gate_stats.judge(ph, [r[ph] for r in base.wall], [r[ph] for r in candidate.wall], tolerance, confidence, min_seconds,
-                            [r[ph] for r in base.cpu], [r[ph] for r in candidate.cpu])
+                            [r[ph] for r in base.cpu], [r[ph] for r in candidate.cpu], base_ran_first(warmup, len(base.wall)))
            for ph in sorted(both, key=order.index)]
     return out, sorted(phases(base) ^ phases(candidate))
 
@@ -263,7 +268,7 @@ def check(base_rev: str | None, rounds: int, max_rounds: int, warmup: int, confi
                   f"{' ' + ' '.join(extra) if extra else ''}{f' (candidate injected: {inject})' if inject else ''}", flush=True)
             try:
                 def enough(base: Side, candidate: Side) -> bool:
-                    return not any(v.inconclusive for v in verdicts(base, candidate, tolerance, confidence, min_seconds)[0])
+                    return not any(v.inconclusive for v in verdicts(base, candidate, tolerance, confidence, min_seconds, warmup)[0])
 
                 base, candidate = run_paired(base_root, work, str(REPO / config), extra, warmup, rounds, max_rounds, inject, enough)
             except GateError:
@@ -279,14 +284,14 @@ def check(base_rev: str | None, rounds: int, max_rounds: int, warmup: int, confi
     record = {"base": base_sha or str(base_dir), "commits": commits, "config": config, "overrides": extra, "warmup": warmup,
               "injected_into_candidate": inject, "tolerance": tolerance, "confidence": confidence, "gate_seconds": seconds,
               "load_average_1_5_15": {"before": list(load_before), "after": list(os.getloadavg())}}
-    return report(base, candidate, tolerance, confidence, min_seconds, commits, record, out)
+    return report(base, candidate, tolerance, confidence, min_seconds, commits, record, out, warmup)
 
 
 def report(base: Side, candidate: Side, tolerance: float, confidence: float, min_seconds: float, commits: str,
-           record: dict, out: Path) -> int:
+           record: dict, out: Path, warmup: int) -> int:
     """Print the verdicts (a REGRESSION line per failing phase), write them and the samples to `out`; 1 on a failure."""
-    results, one_sided = verdicts(base, candidate, tolerance, confidence, min_seconds)
-    print(f"{'':>12}  {'phase':<14} wall: candidate vs base, median over rounds, ratio [{confidence:.0%} interval]; cpu: diagnostic")
+    results, one_sided = verdicts(base, candidate, tolerance, confidence, min_seconds, warmup)
+    print(f"{'':>12}  {'phase':<14} wall: candidate vs base, median over rounds (each side at the same position in its rounds), ratio [{confidence:.0%} interval]; cpu: diagnostic")
     for v in results:
         print(v.line())
     for phase in one_sided:

@@ -28,6 +28,29 @@ def test_a_load_swing_that_hits_both_sides_of_a_round_does_not_widen_the_paired_
     assert v.gated and v.regressed
 
 
+def test_each_side_is_compared_at_the_same_position_in_its_rounds():
+    # The gate alternates the order, base first in even rounds: the side that runs first ran just before
+    # (3 ms, warm), the second ran after the other side's step (9 ms, cold), as the weight sync did on the
+    # 2-core machine. The candidate is 25% slower at both positions: 3.75 ms first, 11.25 ms second.
+    base_first = [True, False] * 4
+    base = [3.0 if first else 9.0 for first in base_first]
+    candidate = [3.75 if not first else 11.25 for first in base_first]
+    # Paired by round, a warm sample meets a cold one: a resample with more base-first rounds reads
+    # 11.25 / 3 = 3.75x, one with more candidate-first rounds 3.75 / 9 = 0.42x, so the interval spans both.
+    lo, hi = gate_stats.paired_bootstrap_interval(base, candidate)
+    assert lo == pytest.approx(3.75 / 9) and hi == pytest.approx(11.25 / 3)
+    assert not gate_stats.judge("sync", base, candidate).regressed
+    # At the same position: first 3.75 / 3 and second 11.25 / 9, both 1.25; every resample (within each
+    # order) reads 1.25, and the medians are the geometric means sqrt(3 * 9) and sqrt(3.75 * 11.25).
+    v = gate_stats.judge("sync", base, candidate, base_first=base_first)
+    assert v.ratio == pytest.approx(1.25) and v.interval == pytest.approx((1.25, 1.25)) and v.regressed
+    assert v.base_median_s == pytest.approx(27 ** 0.5) and v.candidate_median_s == pytest.approx((3.75 * 11.25) ** 0.5)
+    # one order only (or none given): the plain ratio of medians
+    assert gate_stats.matched_medians(base, candidate, [True] * 8) == (6.0, 7.5)
+    with pytest.raises(ValueError, match="one entry per round"):
+        gate_stats.paired_bootstrap_interval(base, candidate, base_first=[True])
+
+
 def test_noise_widens_the_interval_instead_of_raising_a_false_alarm():
     # The same median slowdown (1.25x), but the candidate's rounds swing from 0.6x to 3x: the rounds'
     # spread cannot tell a slowdown from noise, so the interval reaches below 1 and the phase passes.
