@@ -67,22 +67,70 @@ def _run_first(items: list, prefixes: str, last: str = "") -> None:
     requeues, heartbeat timeouts) first, while the other environments are built beside them at low
     priority: the builds take the cores those tests leave idle instead of slowing the CPU-bound ones.
     MEGARL_TEST_LAST (the same form): these at the end, once the builds are done (the benchmark gate's
-    tests read wall-time ratios: beside the builds a 25% injected stall read 1.10x, inconclusive)."""
-    wanted = [p.strip().rstrip("/") for p in prefixes.split(",") if p.strip()]
-    at_end = [p.strip().rstrip("/") for p in last.split(",") if p.strip()]
+    tests read wall-time ratios: beside the builds a 25% injected stall read 1.10x, inconclusive), and
+    under `make test` once the tiers beside the full suite have ended (wait_before_the_last_tests)."""
+    wanted, at_end = _test_paths(prefixes), _test_paths(last)
     if not wanted and not at_end:
         return
 
-    def under(path: str, paths: list[str]) -> bool:
-        return any(path == p or path.startswith(p + "/") for p in paths)
-
     def rank(item) -> int:
-        path = Path(str(item.fspath)).resolve().relative_to(REPO).as_posix()
-        if under(path, at_end):
+        path = _repo_path(item)
+        if _under(path, at_end):
             return len(wanted) + 1
-        return next((i for i, p in enumerate(wanted) if under(path, [p])), len(wanted))
+        return next((i for i, p in enumerate(wanted) if _under(path, [p])), len(wanted))
 
     items[:] = sorted(items, key=rank)  # stable: the collected order within each group
+
+
+def _test_paths(value: str) -> list[str]:
+    """MEGARL_TEST_FIRST / MEGARL_TEST_LAST's comma-separated paths."""
+    return [p.strip().rstrip("/") for p in value.split(",") if p.strip()]
+
+
+def _repo_path(item) -> str:
+    return Path(str(item.fspath)).resolve().relative_to(REPO).as_posix()
+
+
+def _under(path: str, paths: list[str]) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in paths)
+
+
+# `make test` runs the core and vLLM tiers in the background (its tiers-beside), niced, in the cores the
+# full suite leaves idle; MEGARL_TEST_LAST_WAITS_FOR=<pid> names that background. The MEGARL_TEST_LAST
+# tests (the benchmark gate's, which read wall-time ratios) start only once it has ended, on a quiet
+# machine: the wait costs the suite little, since the background then has the cores to itself and would
+# have run after the full suite otherwise.
+_WAITED_FOR_BESIDE: list[float] = []
+WAIT_FOR_BESIDE_AT_MOST_S = 3600.0
+
+
+def process_running(pid: int) -> bool:
+    """Whether `pid` is alive (a zombie, which its parent has not reaped yet, has ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def wait_before_the_last_tests(item, say=print, poll_s: float = 2.0) -> float:
+    """Before the first MEGARL_TEST_LAST test: wait for MEGARL_TEST_LAST_WAITS_FOR's process to end
+    (at most WAIT_FOR_BESIDE_AT_MOST_S). Returns the seconds waited (0 when there was nothing to wait for)."""
+    import time
+
+    pid = os.environ.get("MEGARL_TEST_LAST_WAITS_FOR", "")
+    if _WAITED_FOR_BESIDE or not pid.isdigit() or not _under(_repo_path(item), _test_paths(os.environ.get("MEGARL_TEST_LAST", ""))):
+        return 0.0
+    start = time.monotonic()
+    if process_running(int(pid)):
+        say(f"[conftest] waiting for the tiers beside the full suite (pid {pid}) to end before {item.nodeid} "
+            "and the other tests that read wall-time ratios")
+        while process_running(int(pid)) and time.monotonic() - start < WAIT_FOR_BESIDE_AT_MOST_S:
+            time.sleep(poll_s)
+        state = "ended" if not process_running(int(pid)) else f"still running after {WAIT_FOR_BESIDE_AT_MOST_S:.0f} s: going on"
+        say(f"[conftest] the tiers beside {state} ({time.monotonic() - start:.0f} s waited)")
+    _WAITED_FOR_BESIDE.append(time.monotonic() - start)
+    return _WAITED_FOR_BESIDE[0]
 
 
 def free_port() -> int:
@@ -245,7 +293,7 @@ def world_of_one():
 # `make test` names each tier (MEGARL_TEST_TIER=full / core / vllm / ...); a named tier writes its wall time
 # and every test's duration (setup + call + teardown) into runs/test-durations.json, which
 # tests/tier_budgets.py then reads against the budgets of docs/testing.md. Tiers run side by side (core
-# beside vllm), so the file is updated under a lock.
+# and vLLM beside the full suite), so the file is updated under a lock.
 _TIER_STARTED: list[float] = []
 _TIER_DURATIONS: dict[str, float] = {}
 _TIER_OUTCOMES: dict[str, str] = {}
@@ -276,6 +324,8 @@ def pytest_sessionstart(session):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+    reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+    wait_before_the_last_tests(item, say=reporter.write_line if reporter else print)  # outside the test's own time
     before = machine_busy_seconds()
     yield
     after = machine_busy_seconds()
@@ -331,6 +381,10 @@ def pytest_sessionfinish(session, exitstatus):
         "tests": {k: round(v, 2) for k, v in sorted(_TIER_DURATIONS.items(), key=lambda kv: -kv[1])},
         "cores": os.cpu_count(),
     }
+    if os.environ.get("MEGARL_TEST_RAN_BESIDE"):  # make test's tiers-beside: the full suite had the cores first
+        entry["ran_beside"] = os.environ["MEGARL_TEST_RAN_BESIDE"]
+    if _WAITED_FOR_BESIDE:  # in wall_s, in no test's duration
+        entry["waited_for_beside_s"] = round(_WAITED_FOR_BESIDE[0], 1)
     busy_end = machine_busy_seconds()
     if _TIER_BUSY_START and busy_end is not None:
         entry["busy_core_s"] = round(busy_end - _TIER_BUSY_START[0], 1)

@@ -17,9 +17,9 @@ from pathlib import Path
 BUDGETS = {
     "fast": 180,  # make test-fast
     "full": 2100,  # make test-full: the whole suite on PY's stack
-    "core": 300,  # make test-core on the other stack (beside the vLLM tier)
+    "core": 300,  # make test-core on the other stack (beside the vLLM tier and the full suite)
     "core-cross": 60,  # the cross-release checkpoint test, in the other direction
-    "vllm": 300,  # make test-vllm (beside the core tier)
+    "vllm": 300,  # make test-vllm (beside the core tier and the full suite)
     "image": 120,  # the image check's slow test (resolution against PyPI)
     "ci": 3600,  # the whole .ci/run from a clean clone, installs included (goal: 1800)
 }
@@ -38,8 +38,12 @@ def report(data: dict, ci_start: float | None = None, slowest: int = 5) -> list[
     for name, wall, entry in rows:
         budget = BUDGETS.get(name)
         mark = "" if budget is None or wall <= budget else "  OVER BUDGET"
+        if mark and entry and entry.get("ran_beside"):  # its budget is its time alone; beside, it only had the idle cores
+            mark = f"  (ran beside the {entry['ran_beside']} tier: not its time alone)"
         counts = (f"{entry['collected']} collected, {entry['passed']} passed, {entry['failed']} failed, "
                   f"{entry['skipped']} skipped" if entry else "set-up and every tier")
+        if entry and entry.get("waited_for_beside_s"):
+            counts += f"; of which {_minutes(entry['waited_for_beside_s'])} waiting for the tiers beside it"
         lines.append(f"{name:<11} {_minutes(wall):>9} {_minutes(budget) if budget else '-':>9}  {counts}{mark}")
     for name, entry in tiers.items():
         top = list(entry["tests"].items())[:slowest]

@@ -32,6 +32,19 @@ def test_the_tier_report_marks_a_tier_over_its_budget():
     assert any(line.startswith("slowest in fast: t::a 150 s; t::b 50 s") for line in lines)
 
 
+def test_the_tier_report_says_which_tiers_ran_beside_the_full_one_and_how_long_it_waited_for_them():
+    spec = importlib.util.spec_from_file_location("tier_budgets", REPO / "tests" / "tier_budgets.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    entry = dict(wall_s=400.0, collected=1, passed=1, failed=0, skipped=0, tests={"t::a": 150.0})
+    lines = module.report({"tiers": {"full": dict(entry, wall_s=2000.0, waited_for_beside_s=95.0),
+                                     "core": dict(entry, ran_beside="full"), "vllm": entry}})
+    full, core, vllm = (next(line for line in lines if line.startswith(name + " ")) for name in ("full", "core", "vllm"))
+    assert "of which 1:35 waiting for the tiers beside it" in full and "OVER BUDGET" not in full
+    assert "6:40" in core and "OVER BUDGET" not in core and "(ran beside the full tier: not its time alone)" in core
+    assert "OVER BUDGET" in vllm  # run alone, its budget holds
+
+
 def test_the_tier_report_says_how_busy_the_cores_were_and_which_tests_left_them_idle():
     spec = importlib.util.spec_from_file_location("tier_budgets", REPO / "tests" / "tier_budgets.py")
     module = importlib.util.module_from_spec(spec)
@@ -72,3 +85,33 @@ def test_make_tests_last_paths_run_after_everything_else():
     conftest._run_first(items, "tests/multinode", "tests/benchmarks/test_bench_gate.py")
     assert [str(i.fspath.relative_to(REPO)) for i in items] == [
         "tests/multinode/test_2.py", "tests/a/test_1.py", "tests/benchmarks/test_bench_gate.py"]
+
+
+def test_the_last_tests_wait_for_the_tiers_beside_the_full_one(monkeypatch):
+    import subprocess
+    import time
+
+    import conftest
+
+    class Item:
+        def __init__(self, path):
+            self.fspath, self.nodeid = REPO / path, path + "::t"
+
+    beside = subprocess.Popen(["sleep", "1.5"])  # ends as a zombie (unreaped): ended all the same
+    monkeypatch.setenv("MEGARL_TEST_LAST", "tests/benchmarks/test_bench_gate.py")
+    monkeypatch.setenv("MEGARL_TEST_LAST_WAITS_FOR", str(beside.pid))
+    monkeypatch.setattr(conftest, "_WAITED_FOR_BESIDE", [])
+    said: list[str] = []
+    try:
+        assert conftest.wait_before_the_last_tests(Item("tests/a/test_1.py"), say=said.append, poll_s=0.1) == 0.0
+        assert conftest.process_running(beside.pid) and not said  # not a last test: nothing waited
+        start = time.monotonic()
+        waited = conftest.wait_before_the_last_tests(Item("tests/benchmarks/test_bench_gate.py"), say=said.append, poll_s=0.1)
+        assert 1.0 < waited <= time.monotonic() - start and not conftest.process_running(beside.pid)
+        assert beside.poll() == 0 and len(said) == 2 and str(beside.pid) in said[0] and "ended" in said[1]
+        # once per session: the next last test does not wait again
+        assert conftest.wait_before_the_last_tests(Item("tests/benchmarks/test_bench_gate.py"), say=said.append) == 0.0
+        assert len(said) == 2
+    finally:
+        beside.kill()
+        beside.wait()
