@@ -132,7 +132,8 @@ def check_colocated_memory(cfg: Config, world_size: int, device_bytes: float | N
     not make the colocated engine fit. `device_bytes`: the device's memory (default: this CUDA
     device's; without CUDA, or with engine hf, there is nothing to check)."""
     r = cfg.rollout
-    if not r.memory_check or r.engine not in ("vllm", "sglang"):
+    # under rollout.placement=fleet the engine runs on the servers: nothing of it beside the training state
+    if not r.memory_check or r.engine not in ("vllm", "sglang") or r.placement == "fleet":
         return _nulls_off(cfg), None
     if device_bytes is None:
         device_bytes = cuda_total_bytes()

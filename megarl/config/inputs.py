@@ -177,9 +177,11 @@ def check_data_files(cfg: Config, overrides=()) -> None:
 
 
 def check_rollout_engine(cfg: Config) -> None:
-    """rollout.engine=vllm / sglang needs that package here (the hf engine is always there)."""
+    """rollout.engine=vllm / sglang needs that package here (the hf engine is always there); under
+    rollout.placement=fleet the servers run the engine and import it (megarl.rollout.serve), not the
+    training job."""
     engine = cfg.rollout.engine
-    if engine == "hf":
+    if engine == "hf" or cfg.rollout.placement == "fleet":
         return
     spec = importlib.util.find_spec(engine)
     if spec is None or spec.origin in (None, "namespace"):

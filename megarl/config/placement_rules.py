@@ -54,14 +54,19 @@ def check_placement(cfg: Config) -> None:
 
 def _check_fleet(cfg: Config) -> None:
     """What rollout.placement=fleet runs so far (megarl.rollout_side.fleet): synchronous steps, servers
-    running the hf engine, single-turn samples."""
+    of one process running the hf or the vllm engine, single-turn samples. rollout.engine names the
+    servers' engine (each starts with `--engine` the same; the trainer refuses another) and the
+    training job builds none."""
     r, a = cfg.rollout, cfg.async_
     if r.num_ranks:
         raise ConfigError(f"rollout.num_ranks = {r.num_ranks} applies to rollout.placement=separate only; fleet servers join "
                           f"with `python -m megarl.rollout.serve`: set rollout.num_ranks=0")
-    if r.engine != "hf":
-        raise ConfigError(f"rollout.placement=fleet runs servers with rollout.engine=hf so far, got {r.engine}: set "
-                          f"rollout.engine=hf or rollout.placement=colocated")
+    if r.engine not in ("hf", "vllm"):
+        raise ConfigError(f"rollout.placement=fleet runs servers with rollout.engine=hf or vllm so far, got {r.engine}: set "
+                          f"one of those or rollout.placement=colocated")
+    if r.tp != 1:
+        raise ConfigError(f"rollout.placement=fleet runs servers of one process (rollout.tp=1) so far, got rollout.tp = "
+                          f"{r.tp}: set rollout.tp=1 or rollout.placement=colocated or separate")
     if a.max_staleness or a.partial_rollout:
         raise ConfigError("rollout.placement=fleet is synchronous so far: set async.max_staleness=0 and "
                           "async.partial_rollout=false (or rollout.placement=separate)")

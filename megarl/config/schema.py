@@ -161,7 +161,8 @@ class FleetConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["hf", "vllm", "sglang"] = knob("hf", "inference engine that generates responses (hf runs on CPU)")
+    engine: Literal["hf", "vllm", "sglang"] = knob("hf", "inference engine that generates responses (hf runs on CPU); under "
+                                                              "rollout.placement=fleet the one its servers run (their --engine)")
     tp: int = knob(1, "tensor-parallel size of the inference engine", ge=1)
     samples_per_prompt: int = knob(1, "responses sampled per prompt (GRPO/RLOO need >= 2)", ge=1)
     temperature: float = knob(1.0, "sampling temperature", gt=0)

@@ -87,10 +87,13 @@ class FleetEndpoint:
     """The ROUTER the servers join; `publish` and `run` are called from the trainer's thread."""
 
     def __init__(self, host: str, port: int, token: str, heartbeat_s: float, model_config: dict, dtype: str,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, *, engine: str = "hf", max_model_len: int | None = None):
         self.token, self.heartbeat_s = token, heartbeat_s
         self.log = BackgroundLog(log)  # a slow log write never holds up the socket's thread (megarl/fleet/log.py)
         self._model_config, self._dtype = model_config, dtype
+        # the one engine the run's servers may run (rollout.engine), and the prompt + response tokens
+        # vLLM sizes its sequences by (None: the model's own limit), told in the welcome
+        self.engine, self._max_model_len = engine, max_model_len
         # building a link and sending the weights over it: both ends are there when it starts, so
         # only a dead or cut-off server takes this long (and is then lost)
         self.link_timeout_s = max(60.0, 3 * heartbeat_s)
@@ -174,7 +177,8 @@ class FleetEndpoint:
                     need = 1 if handed_out else min_servers
                     self.log(f"megarl fleet: step {step}: waiting for rollout servers: {len(ready)} of {need} hold weights "
                              f"version {version} ({len(self._servers)} joined; start one with `python -m "
-                             f"megarl.rollout.serve --trainer {self.address} --token-file <rollout.fleet.token_file>`)")
+                             f"megarl.rollout.serve --trainer {self.address} --token-file <rollout.fleet.token_file> "
+                             f"--engine {self.engine}`)")
                 self._cond.wait(timeout=0.1)
                 results, self._answers = self._answers, []
             for identity, header in results:
@@ -318,17 +322,20 @@ class FleetEndpoint:
             self.log(f"megarl fleet: refused server {header['server_id']!r}: wrong token")
             self._outbox.put((identity, encode("refused", reason="wrong token: use the run's rollout.fleet.token_file")))
             return
-        if header["engine"] != "hf":
+        if header["engine"] != self.engine:
+            # one engine per run: hf and vLLM sample differently from one seed (a resubmission must not change a sample)
             self.stats.refused_total += 1
-            self.log(f"megarl fleet: refused server {header['server_id']!r}: engine {header['engine']!r} (the fleet runs hf so far)")
-            self._outbox.put((identity, encode("refused", reason=f"engine {header['engine']!r}: the fleet runs --engine hf so far")))
+            self.log(f"megarl fleet: refused server {header['server_id']!r}: engine {header['engine']!r}, but this run's "
+                     f"rollout.engine is {self.engine}")
+            self._outbox.put((identity, encode("refused", reason=f"engine {header['engine']!r}: this run's servers run "
+                                                                 f"rollout.engine={self.engine}: start them with --engine {self.engine}")))
             return
         offer = self._links.offer()  # a new link for every join: a server that joins again gets a new one
         self._servers[identity] = _Server(identity, header["server_id"], time.monotonic(), offer)
         self.stats.joined_total += 1
         self.log(f"megarl fleet: server {header['server_id']} joined; {len(self._servers)} joined")
         self._outbox.put((identity, encode("welcome", model_config=self._model_config, dtype=self._dtype,
-                                           heartbeat_s=self.heartbeat_s, transfer=offer)))
+                                           max_model_len=self._max_model_len, heartbeat_s=self.heartbeat_s, transfer=offer)))
 
     def _beat(self, now: float) -> None:
         """Heartbeats out; servers silent for heartbeat_s are lost. A server still joining (welcomed,

@@ -14,8 +14,9 @@ A message that fails raises `WireError` with the reason; the receiver logs it an
                         ready{version}                    (weights of that version loaded)
                         result{step, version, request_ids, samples, tokens_per_s}
                         heartbeat{version}  bye{reason}
-    trainer -> server   welcome{model_config, dtype, heartbeat_s, transfer}  refused{reason}
-                                                          (transfer: where its weight link meets)
+    trainer -> server   welcome{model_config, dtype, max_model_len, heartbeat_s, transfer}  refused{reason}
+                                                          (transfer: where its weight link meets;
+                                                           max_model_len: prompt + response tokens, or nil)
                         weights{version, tensors, bytes}  (the bytes then come over the link)
                         request{step, version, request_ids, prompt_index, prompt_ids, seeds, sampling}
                         heartbeat{version}  bye{reason}
@@ -39,9 +40,10 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 # field types: a python type, or a one-element list [T] (a list of T), [[T]] (a list of lists of T)
 Number = (int, float)
+OptionalInt = (int, type(None))
 SCHEMAS: dict[str, dict[str, object]] = {
     "hello": {"token": str, "server_id": str, "engine": str},
-    "welcome": {"model_config": dict, "dtype": str, "heartbeat_s": Number, "transfer": dict},
+    "welcome": {"model_config": dict, "dtype": str, "max_model_len": OptionalInt, "heartbeat_s": Number, "transfer": dict},
     "refused": {"reason": str},
     "weights": {"version": int, "tensors": [dict], "bytes": int},
     "link": {"prefix": str},

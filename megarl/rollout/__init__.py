@@ -28,6 +28,15 @@ ENGINES = ("hf", "vllm", "sglang")
 CPU_VLLM_KV_CACHE_BYTES = 256 << 20
 
 
+def vllm_memory_options(cpu: bool, memory_fraction: float | None) -> dict:
+    """VLLMConfig's memory options: on CPU a fixed KV cache and eager mode, on a GPU the fraction of
+    its memory vLLM may take (None: vLLM's own default). Colocated engines and fleet servers
+    (megarl.rollout.serve) both take them from here."""
+    if cpu:
+        return {"kv_cache_memory_bytes": CPU_VLLM_KV_CACHE_BYTES, "enforce_eager": True}
+    return {"gpu_memory_utilization": memory_fraction}
+
+
 def build_rollout_engine(name: str, hf_dir: str, *, tp: int = 1, seed: int = 0, device: str = "cpu",
                          dtype: torch.dtype = torch.float32, group=None, group_ranks=None, **options) -> RolloutEngine:
     """Build engine `name` for the model in `hf_dir` (config.json; weights arrive via load_weights).
@@ -142,11 +151,7 @@ def build_rollout(name: str, hf_dir: str, groups, *, seed: int = 0, device: str 
     if path == "adapter":
         options["lora_rank"] = lora_rank
     if name == "vllm":
-        options["max_model_len"] = max_model_len
-        if cpu:
-            options.update(kv_cache_memory_bytes=CPU_VLLM_KV_CACHE_BYTES, enforce_eager=True)
-        else:
-            options["gpu_memory_utilization"] = memory_fraction
+        options.update(max_model_len=max_model_len, **vllm_memory_options(cpu, memory_fraction))
     elif name == "sglang":
         options["mem_fraction_static"] = memory_fraction
     engine = build_rollout_engine(name, hf_dir, tp=groups.size, seed=seed, device=device, dtype=dtype,
@@ -189,4 +194,4 @@ def full_hf_converter(hf_dir: str, train_tp: int):
 
 
 __all__ = ["ENGINES", "full_hf_converter", "MissingEngineError", "RolloutEngine", "RolloutRequest", "RolloutResult", "RolloutSetup", "SamplingParams",
-           "build_rollout", "build_rollout_engine", "make_sample_seed", "pad_results"]
+           "build_rollout", "build_rollout_engine", "make_sample_seed", "pad_results", "vllm_memory_options"]

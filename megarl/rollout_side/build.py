@@ -34,12 +34,13 @@ def build_trainer_rollout(cfg, dims, actor, tokenizer, data, *, offload: Callabl
     # from what is free at that moment (megarl/capacity/memory_check.py decides the offloads left null).
     offload()
     release_cached_device_memory()
+    max_model_len = cfg.data.max_prompt_tokens + r.max_new_tokens  # a sequence's tokens, as vLLM sizes them
     if r.placement == "fleet":  # servers outside the torchrun world generate (megarl.rollout_side.fleet)
-        setup = fleet_setup(cfg, dims, actor, log)
+        setup = fleet_setup(cfg, dims, actor, max_model_len, log)
     elif separate is None:
         setup = build_rollout(r.engine, cfg.model.path, dims.rollout_groups(r.tp), seed=t.seed, device=str(actor.device),
                               dtype=actor.params_dtype, memory_fraction=r.gpu_memory_utilization,
-                              max_model_len=cfg.data.max_prompt_tokens + r.max_new_tokens, train_tp=dims.tp,
+                              max_model_len=max_model_len, train_tp=dims.tp,
                               log=log, lora_rank=cfg.actor.lora.rank,
                               lora_targets=cfg.actor.lora.target_modules, record_routes=cfg.actor.routing_replay)
     else:  # the engine runs on the rollout ranks: this rank's handle on its server
@@ -75,9 +76,9 @@ def actor_shards(actor) -> dict:
     return streamed_shards(actor.local_weight_shards(), actor.spec.tie_embeddings)
 
 
-def fleet_setup(cfg, dims, actor, log) -> RolloutSetup:
+def fleet_setup(cfg, dims, actor, max_model_len: int, log) -> RolloutSetup:
     """rollout.placement=fleet: the fleet's engine takes full HF tensors, as the hf engine does."""
-    engine = open_fleet(cfg, cfg.model.path, actor.params_dtype, dims.rank, log=log or print)
+    engine = open_fleet(cfg, cfg.model.path, actor.params_dtype, dims.rank, max_model_len, log=log or print)
     return RolloutSetup(engine=engine, weight_layout=RolloutLayout(tp=1), groups=dims.rollout_groups(1),
                         convert=full_hf_converter(cfg.model.path, dims.tp), weight_path="full",
                         weight_path_reason="the fleet's servers load full HF tensors")

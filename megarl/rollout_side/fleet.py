@@ -182,15 +182,18 @@ class FleetRollout:
             self.engine.endpoint.close()
 
 
-def open_fleet(cfg, model_dir: str, dtype: torch.dtype, rank: int, log=print) -> FleetEngine:
-    """rollout.fleet's endpoint on rank 0 (bound to rollout.fleet.host only) and the engine over it."""
+def open_fleet(cfg, model_dir: str, dtype: torch.dtype, rank: int, max_model_len: int | None = None,
+               log=print) -> FleetEngine:
+    """rollout.fleet's endpoint on rank 0 (bound to rollout.fleet.host only) and the engine over it;
+    max_model_len: prompt + response tokens, told to the servers (vLLM sizes its sequences by it)."""
     f = cfg.rollout.fleet
     if rank != 0:
         return FleetEngine(None, f.min_servers)
     token = run_token(f.token_file, cfg.trainer.run_dir, log)
     with open(Path(model_dir) / "config.json") as file:
         model_config = json.load(file)
-    endpoint = FleetEndpoint(f.host, f.port, token, f.heartbeat_s, model_config, DTYPE_NAMES[dtype], log=log)
+    endpoint = FleetEndpoint(f.host, f.port, token, f.heartbeat_s, model_config, DTYPE_NAMES[dtype], log=log,
+                             engine=cfg.rollout.engine, max_model_len=max_model_len)
     log(f"megarl fleet: endpoint open on {endpoint.address}; start servers with `python -m megarl.rollout.serve "
-        f"--trainer {endpoint.address} --token-file <a copy of rollout.fleet.token_file>`")
+        f"--trainer {endpoint.address} --token-file <a copy of rollout.fleet.token_file> --engine {cfg.rollout.engine}`")
     return FleetEngine(endpoint, f.min_servers)

@@ -54,8 +54,10 @@ def _header(**fields) -> bytes:
     ([_header(type="weights", version=1, tensors=[{"name": "w", "dtype": "object", "shape": [1]}], bytes=1)],
      "weights: tensor 'w' has dtype 'object'"),
     ([_header(type="weights", version=1, tensors=[], bytes=0), b"x"], "weights carries 1 extra frames"),
-    ([_header(type="welcome", model_config={}, dtype="float32", heartbeat_s=1.0, transfer={"port": 1})],
+    ([_header(type="welcome", model_config={}, dtype="float32", max_model_len=None, heartbeat_s=1.0, transfer={"port": 1})],
      "welcome.transfer: missing field 'backend'"),
+    ([_header(type="welcome", model_config={}, dtype="float32", max_model_len="64", heartbeat_s=1.0, transfer={})],
+     "welcome: field 'max_model_len' has the wrong type (str)"),
     ([_header(type="request", step=1, version=1, request_ids=[1], prompt_index=[0], prompt_ids=[[1]], seeds=[],
               sampling=SAMPLING)], "request: request_ids, prompt_index, prompt_ids and seeds differ in length"),
     ([_header(type="result", step=1, version=1, request_ids=[1], samples=[{"request_id": 1}], tokens_per_s=1.0)],
@@ -134,8 +136,36 @@ def test_endpoint_refuses_a_wrong_token_and_drops_malformed_messages():
     assert (stats.refused_total, stats.joined_total, stats.dropped_total) == (1, 1, 2)
 
 
+def test_a_server_of_another_engine_is_refused_and_one_of_the_runs_is_told_the_sequence_length():
+    """The run's servers all run rollout.engine (hf and vLLM sample differently from one seed): a
+    server of another engine gets a refusal naming the --engine to start with; one of the run's
+    engine gets the welcome, with max_model_len (vLLM sizes its KV cache by it)."""
+    lines: list[str] = []
+    port = _port()
+    endpoint = FleetEndpoint("127.0.0.1", port, "tok", 30.0, {"model_type": "llama"}, "float32", log=lines.append,
+                             engine="vllm", max_model_len=40)
+    context = zmq.Context.instance()
+    socks = [context.socket(zmq.DEALER) for _ in range(2)]
+    try:
+        for sock in socks:
+            sock.connect(f"tcp://127.0.0.1:{port}")
+        socks[0].send_multipart(encode("hello", token="tok", server_id="hf-one", engine="hf"))
+        assert _recv(socks[0]) == {"type": "refused", "reason": "engine 'hf': this run's servers run rollout.engine=vllm: "
+                                                                "start them with --engine vllm"}
+        socks[1].send_multipart(encode("hello", token="tok", server_id="vllm-one", engine="vllm"))
+        welcome = _recv(socks[1], skip_heartbeats=True)
+        assert welcome["type"] == "welcome" and welcome["max_model_len"] == 40
+    finally:
+        for sock in socks:
+            sock.close(0)
+        endpoint.close(farewell=False)
+    assert "megarl fleet: refused server 'hf-one': engine 'hf', but this run's rollout.engine is vllm" in lines
+    assert (endpoint.stats.refused_total, endpoint.stats.joined_total) == (1, 1)
+
+
 @pytest.mark.parametrize("overrides, world_size, message", [
-    (["rollout.engine=vllm"], 1, "rollout.placement=fleet runs servers with rollout.engine=hf so far, got vllm"),
+    (["rollout.engine=sglang"], 1, "rollout.placement=fleet runs servers with rollout.engine=hf or vllm so far, got sglang"),
+    (["rollout.engine=vllm", "rollout.tp=2"], 2, "rollout.placement=fleet runs servers of one process (rollout.tp=1) so far"),
     (["async.max_staleness=1"], 1, "rollout.placement=fleet is synchronous so far"),
     (["rollout.num_ranks=1"], 1, "rollout.num_ranks = 1 applies to rollout.placement=separate only"),
     (["actor.routing_replay=true"], 1, "rollout.placement=fleet does not run actor.routing_replay yet"),
@@ -150,6 +180,20 @@ def test_fleet_config_refusals(overrides, world_size, message):
     with pytest.raises(ConfigError) as err:  # load_config checks values; validate with a world size the layout
         validate(load_config("configs/tiny_cpu.yaml", ["rollout.placement=fleet", *overrides]), world_size)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_fleet_vllm_servers_need_no_vllm_in_the_training_job():
+    """rollout.engine=vllm under fleet names the servers' engine; the training job builds none, so the
+    config check does not ask for vllm here (this environment has none) nor sizes a colocated engine."""
+    from megarl.capacity.memory_check import check_colocated_memory
+    from megarl.config import load_config
+    from megarl.config.inputs import check_rollout_engine
+    from megarl.config.validation import validate
+
+    cfg = load_config("configs/tiny_cpu.yaml", ["rollout.placement=fleet", "rollout.engine=vllm"])
+    validate(cfg, 1)
+    check_rollout_engine(cfg)
+    assert check_colocated_memory(cfg, 1, device_bytes=1.0)[1] is None  # 1 byte of GPU: nothing to fit beside training
 
 
 def test_fleet_config_defaults_bind_loopback():
