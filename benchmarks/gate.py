@@ -117,6 +117,7 @@ class Side:
         self.proc: subprocess.Popen | None = None
         self.wall: list[dict[str, float]] = []
         self.cpu: list[dict[str, float]] = []
+        self.ran_first: list[bool] = []  # per recorded round, whether this side ran first in it (gate_stats compares like positions)
 
     def start(self, config: str, overrides: list[str], env: dict) -> None:
         control_r, self._control_w = os.pipe()
@@ -147,13 +148,15 @@ class Side:
             raise GateError(f"the {self.name} side sent {message.get('event')!r} where {event!r} was due ({when})")
         return message
 
-    def step(self, last: bool, record: bool) -> None:
-        """Run one PPO step and wait until the process is idle again (ready for the next, or exited)."""
+    def step(self, last: bool, record: bool, first: bool) -> None:
+        """Run one PPO step and wait until the process is idle again (ready for the next, or exited);
+        first: whether it is the round's first step."""
         os.write(self._control_w, b"go\n")
         report = self._expect("step", "during a step")
         if record:
             self.wall.append(report["wall_s"])
             self.cpu.append(report["cpu_s"])
+            self.ran_first.append(first)
         self._expect("ready", "after its last step" if last else "between steps")
 
     def stop(self) -> None:
@@ -198,8 +201,8 @@ def run_paired(base_root: Path, work: Path, config: str, extra: list[str], warmu
         def run(n: int, record: bool) -> None:
             nonlocal done
             for i in range(done, done + n):
-                for side in ((base, candidate) if i % 2 == 0 else (candidate, base)):
-                    side.step(last=i == steps - 1, record=record)
+                for k, side in enumerate((base, candidate) if i % 2 == 0 else (candidate, base)):
+                    side.step(last=i == steps - 1, record=record, first=k == 0)
             done += n
 
         run(warmup, record=False)
@@ -212,13 +215,8 @@ def run_paired(base_root: Path, work: Path, config: str, extra: list[str], warmu
     return base, candidate
 
 
-def base_ran_first(warmup: int, rounds: int) -> list[bool]:
-    """Per recorded round, whether the base ran first (run_paired: base first in even rounds, warm-up included)."""
-    return [(warmup + j) % 2 == 0 for j in range(rounds)]
-
-
 def verdicts(base: Side, candidate: Side, tolerance: float, confidence: float,
-             min_seconds: float, warmup: int) -> tuple[list[gate_stats.PhaseVerdict], list[str]]:
+             min_seconds: float) -> tuple[list[gate_stats.PhaseVerdict], list[str]]:
     """A verdict per phase both sides ran in every round; and the phases only one side ran."""
     def phases(side: Side) -> set[str]:
         return set.intersection(*(set(r) for r in side.wall))
@@ -226,7 +224,7 @@ def verdicts(base: Side, candidate: Side, tolerance: float, confidence: float,
     both = phases(base) & phases(candidate)
     order = list(base.wall[0])  # the phases in the step's order, then 'step' (the probe adds it last)
     out = [gate_stats.judge(ph, [r[ph] for r in base.wall], [r[ph] for r in candidate.wall], tolerance, confidence, min_seconds,
-                            [r[ph] for r in base.cpu], [r[ph] for r in candidate.cpu], base_ran_first(warmup, len(base.wall)))
+                            [r[ph] for r in base.cpu], [r[ph] for r in candidate.cpu], base.ran_first)
            for ph in sorted(both, key=order.index)]
     return out, sorted(phases(base) ^ phases(candidate))
 
@@ -268,7 +266,7 @@ def check(base_rev: str | None, rounds: int, max_rounds: int, warmup: int, confi
                   f"{' ' + ' '.join(extra) if extra else ''}{f' (candidate injected: {inject})' if inject else ''}", flush=True)
             try:
                 def enough(base: Side, candidate: Side) -> bool:
-                    return not any(v.inconclusive for v in verdicts(base, candidate, tolerance, confidence, min_seconds, warmup)[0])
+                    return not any(v.inconclusive for v in verdicts(base, candidate, tolerance, confidence, min_seconds)[0])
 
                 base, candidate = run_paired(base_root, work, str(REPO / config), extra, warmup, rounds, max_rounds, inject, enough)
             except GateError:
@@ -284,13 +282,13 @@ def check(base_rev: str | None, rounds: int, max_rounds: int, warmup: int, confi
     record = {"base": base_sha or str(base_dir), "commits": commits, "config": config, "overrides": extra, "warmup": warmup,
               "injected_into_candidate": inject, "tolerance": tolerance, "confidence": confidence, "gate_seconds": seconds,
               "load_average_1_5_15": {"before": list(load_before), "after": list(os.getloadavg())}}
-    return report(base, candidate, tolerance, confidence, min_seconds, commits, record, out, warmup)
+    return report(base, candidate, tolerance, confidence, min_seconds, commits, record, out)
 
 
 def report(base: Side, candidate: Side, tolerance: float, confidence: float, min_seconds: float, commits: str,
-           record: dict, out: Path, warmup: int) -> int:
+           record: dict, out: Path) -> int:
     """Print the verdicts (a REGRESSION line per failing phase), write them and the samples to `out`; 1 on a failure."""
-    results, one_sided = verdicts(base, candidate, tolerance, confidence, min_seconds, warmup)
+    results, one_sided = verdicts(base, candidate, tolerance, confidence, min_seconds)
     print(f"{'':>12}  {'phase':<14} wall: candidate vs base, median over rounds (each side at the same position in its rounds), ratio [{confidence:.0%} interval]; cpu: diagnostic")
     for v in results:
         print(v.line())
@@ -303,7 +301,7 @@ def report(base: Side, candidate: Side, tolerance: float, confidence: float, min
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         **record, "rounds": measured, "verdicts": [asdict(v) for v in results],
-        "samples": {"base": {"wall_s": base.wall, "cpu_s": base.cpu}, "candidate": {"wall_s": candidate.wall, "cpu_s": candidate.cpu}},
+        "samples": {side.name: {"wall_s": side.wall, "cpu_s": side.cpu, "ran_first": side.ran_first} for side in (base, candidate)},
     }, indent=1) + "\n")
     unsure = [v.phase for v in results if v.inconclusive]
     print(f"bench-check: {'FAILED' if failures else 'passed'} ({measured} rounds, {record['gate_seconds']:.0f} s, load average "

@@ -64,6 +64,10 @@ def test_the_same_code_against_its_own_commit_passes(tmp_path):
     assert {v["phase"] for v in result["verdicts"] if v["gated"]} >= {"sync", "gen", "old_log_prob", "update_actor", "step"}
     rounds = len(result["samples"]["base"]["wall_s"])  # 30, or more where a phase was inconclusive (a loaded machine)
     assert rounds == len(result["samples"]["candidate"]["wall_s"]) == result["rounds"] and rounds in (30, 60)
+    # the order alternates, base first in even rounds (the 2 warm-up rounds included): what gate_stats compares by
+    base_first = result["samples"]["base"]["ran_first"]
+    assert base_first == [j % 2 == 0 for j in range(rounds)]
+    assert result["samples"]["candidate"]["ran_first"] == [not f for f in base_first]
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path):
