@@ -106,11 +106,12 @@ WAIT_FOR_BESIDE_AT_MOST_S = 3600.0
 
 def process_running(pid: int) -> bool:
     """Whether `pid` is alive (a zombie, which its parent has not reaped yet, has ended)."""
+    import psutil
+
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
         return False
-    return state not in ("Z", "X")
 
 
 def wait_before_the_last_tests(item, say=print, poll_s: float = 2.0) -> float:
