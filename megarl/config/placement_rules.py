@@ -17,6 +17,13 @@ def check_placement(cfg: Config) -> None:
             raise ConfigError("async.max_staleness > 0 and async.partial_rollout need rollout ranks that keep generating while "
                               "the others train: set rollout.placement=separate and rollout.num_ranks (or async.max_staleness=0)")
         return
+    alg = cfg.algorithm
+    if alg.filter_groups.enable and a.max_staleness:
+        # dynamic sampling's rounds are generated on demand with the current weights; requests drawn
+        # ahead would interleave with them in the data order (a resume would then train prompts twice)
+        raise ConfigError("algorithm.filter_groups.enable generates its rounds with the current weights, not "
+                          f"async.max_staleness = {a.max_staleness} steps ahead: set async.max_staleness=0 or "
+                          "algorithm.filter_groups.enable=false")
     if r.placement == "fleet":
         _check_fleet(cfg)
         return
@@ -37,24 +44,18 @@ def check_placement(cfg: Config) -> None:
         # afresh, silently not replaying
         raise ConfigError("actor.routing_replay needs the rollout's expert routes, which rollout.placement=separate does not "
                           "return yet: set actor.routing_replay=false or rollout.placement=colocated")
-    alg = cfg.algorithm
     if alg.adv_estimator == "remax":
         raise ConfigError("rollout.placement=separate does not run adv_estimator=remax yet (its greedy baseline is a second "
                           "generation per step): use rollout.placement=colocated")
-    if alg.filter_groups.enable and a.max_staleness:
-        # dynamic sampling's rounds are generated on demand with the current weights; requests drawn
-        # ahead would interleave with them in the data order (a resume would then train prompts twice)
-        raise ConfigError("algorithm.filter_groups.enable generates its rounds with the current weights, not "
-                          f"async.max_staleness = {a.max_staleness} steps ahead: set async.max_staleness=0 or "
-                          "algorithm.filter_groups.enable=false")
     if a.partial_rollout and not a.max_staleness:
         raise ConfigError("async.partial_rollout continues requests under newer weights, which async.max_staleness=0 never "
                           "sends mid-generation: set async.max_staleness >= 1 or async.partial_rollout=false")
 
 
 def _check_fleet(cfg: Config) -> None:
-    """What rollout.placement=fleet runs so far (megarl.rollout_side.fleet): synchronous steps, servers
-    of one process running the hf or the vllm engine, single-turn samples. rollout.engine names the
+    """What rollout.placement=fleet runs so far (megarl.rollout_side.fleet): steps up to
+    async.max_staleness ahead without partial rollouts, servers of one process running the hf or the
+    vllm engine, single-turn samples. rollout.engine names the
     servers' engine (each starts with `--engine` the same; the trainer refuses another) and the
     training job builds none."""
     r, a = cfg.rollout, cfg.async_
@@ -67,9 +68,10 @@ def _check_fleet(cfg: Config) -> None:
     if r.tp != 1:
         raise ConfigError(f"rollout.placement=fleet runs servers of one process (rollout.tp=1) so far, got rollout.tp = "
                           f"{r.tp}: set rollout.tp=1 or rollout.placement=colocated or separate")
-    if a.max_staleness or a.partial_rollout:
-        raise ConfigError("rollout.placement=fleet is synchronous so far: set async.max_staleness=0 and "
-                          "async.partial_rollout=false (or rollout.placement=separate)")
+    if a.partial_rollout:
+        # a server takes new weights between requests, never within one: no request spans two versions
+        raise ConfigError("rollout.placement=fleet does not continue requests under newer weights (async.partial_rollout) "
+                          "yet: set async.partial_rollout=false (async.max_staleness runs) or rollout.placement=separate")
     for on, key in ((cfg.actor.routing_replay, "actor.routing_replay"),
                     (cfg.rollout.multi_turn.environment is not None, "rollout.multi_turn.environment"),
                     (cfg.algorithm.adv_estimator == "remax", "algorithm.adv_estimator=remax")):

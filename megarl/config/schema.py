@@ -438,7 +438,7 @@ class AsyncConfig:
     """The asynchronous schedule (YAML section `async`; docs/async_rl.md)."""
 
     max_staleness: int = knob(0, "K: samples may come from a policy up to K updates older than the one trained; 0 = "
-                                 "synchronous. K >= 1 needs rollout.placement=separate", ge=0)
+                                 "synchronous. K >= 1 needs rollout.placement=separate or fleet", ge=0)
     partial_rollout: bool = knob(False, "a weight update interrupts running requests, which keep their tokens and log-probs "
                                         "and continue under the new weights (each token remembers its version)")
 

@@ -8,8 +8,10 @@ the training world), answers heartbeats, and declares a server lost after rollou
 of silence. Once the server has built its engine it says so ("link"), the link is built, and the
 current weights go over it. The trainer's thread talks to the endpoint through `publish` (new weights
 for every linked server: a header over ZeroMQ, the bytes over the links; a server whose link broke
-is lost) and `run` (a step's requests split over the servers holding the current weights, a lost
-server's unfinished requests handed to the others, waiting while fewer than min_servers are there).
+is lost), `submit` (a batch of requests, a `Job`, split over the servers holding the newest weights
+as soon as min_servers of them are there; a lost server's unfinished requests go to the others) and
+`collect` (waits for a job's answers, saying every heartbeat_s why). `run` is both at once; under
+async.max_staleness the trainer submits the steps ahead and collects each when it trains it.
 
 A request is one prompt with its samples' seeds: a sample is a function of the weights, the
 prompt and its seed, so a request finishes the same wherever it runs. A server answers a chunk of
@@ -69,6 +71,28 @@ class FleetStats:
         return out
 
 
+@dataclass(eq=False)
+class Job:
+    """One batch of requests handed to the fleet (a step's, validation's). Its samples are generated
+    with weights `floor` or newer: the newest version when it was submitted, or a later one should a
+    request be resubmitted after the trainer published another (fresher, never staler)."""
+
+    step: int
+    floor: int
+    requests: list[dict]  # {prompt_index, prompt_ids, seeds}
+    sampling: dict
+    min_servers: int  # servers holding `floor` or newer before the first hand-out
+    ids: dict[int, int]  # request id -> position in `requests`
+    owner: dict[int, bytes] = field(default_factory=dict)  # request id -> the server it was sent to
+    answers: dict[int, "Answer"] = field(default_factory=dict)
+    handed_out: bool = False
+    waiting_for: int = 0  # servers it waits for before it can hand out what is left (0: none)
+
+    @property
+    def done(self) -> bool:
+        return len(self.answers) == len(self.ids)
+
+
 class WaitStopped(Exception):
     """`run` gave up waiting for servers because `stop()` said so (a signal to the trainer)."""
 
@@ -115,7 +139,7 @@ class FleetEndpoint:
         self._servers: dict[bytes, _Server] = {}
         self._strangers: set[bytes] = set()  # peers told off once: a lost server beats on until it rejoins
         self._weights: tuple[int, list[bytes], Any] | None = None  # (version, its message, its bytes)
-        self._answers: list[tuple[bytes, dict]] = []  # result messages for `run`
+        self._jobs: dict[int, Job] = {}  # request id -> its job, until collected
         self._outbox = Mailbox()  # (identity, frames) for the socket's thread, from any thread
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -144,50 +168,50 @@ class FleetEndpoint:
             threading.Thread(target=self._await, args=(sends,), name="megarl-fleet-send", daemon=True).start()
         return {entry["name"] for entry in entries}
 
+    def submit(self, step: int, requests: list[dict], sampling: dict, min_servers: int) -> Job:
+        """A job of `requests` ({prompt_index, prompt_ids, seeds}) at the newest weights version, handed
+        out at once if min_servers servers hold it, else as soon as they do (the socket's thread hands
+        out and resubmits while the trainer trains). `collect` returns its answers."""
+        with self._cond:
+            job = Job(step, self.version, requests, sampling, min_servers,
+                      {next(self._ids): i for i in range(len(requests))})
+            self._jobs.update((rid, job) for rid in job.ids)
+            self._advance(job)
+        return job
+
+    def collect(self, job: Job, stop: Callable[[], bool] = lambda: False) -> dict[int, Answer]:
+        """Each of the job's requests' answer, by position in its `requests`. While it waits for
+        servers it says so every heartbeat_s, and `stop()` true ends the wait with WaitStopped."""
+        said = 0.0
+        try:
+            with self._cond:
+                while True:
+                    self._advance(job)
+                    if job.done:
+                        break
+                    if job.waiting_for and stop():
+                        raise WaitStopped(f"step {job.step} waited for rollout servers: {self._holding(job)} of "
+                                          f"{job.waiting_for} held weights version {job.floor}")
+                    if job.waiting_for and time.monotonic() - said >= self.heartbeat_s:
+                        said = time.monotonic()
+                        self.log(f"megarl fleet: step {job.step}: waiting for rollout servers: {self._holding(job)} of "
+                                 f"{job.waiting_for} hold weights version {job.floor} ({len(self._servers)} joined; start "
+                                 f"one with `python -m megarl.rollout.serve --trainer {self.address} --token-file "
+                                 f"<rollout.fleet.token_file> --engine {self.engine}`)")
+                    self._cond.wait(timeout=0.1)
+                self.stats.servers = sum(1 for s in self._servers.values() if s.version == self.version)
+                self.stats.tokens_per_s = {s.server_id: s.tokens_per_s for s in self._servers.values()
+                                           if s.tokens_per_s is not None}
+        finally:
+            with self._cond:
+                for rid in job.ids:
+                    self._jobs.pop(rid, None)
+        return {job.ids[rid]: answer for rid, answer in job.answers.items()}
+
     def run(self, step: int, requests: list[dict], sampling: dict, min_servers: int,
             stop: Callable[[], bool] = lambda: False) -> dict[int, Answer]:
-        """Each request's answer, by position in `requests` ({prompt_index, prompt_ids, seeds}). Waits
-        for min_servers servers at the current version before handing out, resubmits what a lost
-        server left unfinished to the others, and returns once every request is answered. While it
-        waits for servers, `stop()` true ends the wait with WaitStopped."""
-        version = self.version
-        ids = {next(self._ids): i for i in range(len(requests))}
-        owner: dict[int, bytes] = {}  # request id -> the server it was sent to
-        answers: dict[int, Answer] = {}
-        handed_out, said = False, 0.0
-        while len(answers) < len(ids):
-            with self._cond:
-                ready = [s for s in self._servers.values() if s.version == version]
-                # the requests of servers that left are resubmitted, to the servers still here
-                lost = [rid for rid, who in owner.items() if rid not in answers and who not in self._servers]
-                for rid in lost:
-                    del owner[rid]
-                if lost:
-                    self.stats.resubmitted_total += len(lost)
-                todo = [rid for rid in ids if rid not in answers and rid not in owner]
-                enough = len(ready) >= (1 if handed_out else min_servers)
-                if todo and enough:
-                    self._hand_out(step, version, todo, requests, ids, sampling, ready, owner)
-                    handed_out = True
-                elif todo and stop():
-                    raise WaitStopped(f"step {step} waited for rollout servers: {len(ready)} of "
-                                      f"{1 if handed_out else min_servers} held weights version {version}")
-                elif todo and time.monotonic() - said >= self.heartbeat_s:
-                    said = time.monotonic()
-                    need = 1 if handed_out else min_servers
-                    self.log(f"megarl fleet: step {step}: waiting for rollout servers: {len(ready)} of {need} hold weights "
-                             f"version {version} ({len(self._servers)} joined; start one with `python -m "
-                             f"megarl.rollout.serve --trainer {self.address} --token-file <rollout.fleet.token_file> "
-                             f"--engine {self.engine}`)")
-                self._cond.wait(timeout=0.1)
-                results, self._answers = self._answers, []
-            for identity, header in results:
-                self._take(identity, header, version, ids, owner, answers, requests)
-        with self._cond:
-            self.stats.servers = sum(1 for s in self._servers.values() if s.version == version)
-            self.stats.tokens_per_s = {s.server_id: s.tokens_per_s for s in self._servers.values()
-                                       if s.tokens_per_s is not None}
-        return {ids[rid]: answer for rid, answer in answers.items()}
+        """`submit` and `collect` at once: a synchronous step's generation."""
+        return self.collect(self.submit(step, requests, sampling, min_servers), stop)
 
     def close(self, farewell: bool = True) -> None:
         """Tell every server the run ended (`farewell`; without it they wait for a trainer that resumes
@@ -202,47 +226,69 @@ class FleetEndpoint:
         self._thread.join(timeout=5.0)
         self.log.close()
 
-    def _hand_out(self, step, version, todo, requests, ids, sampling, ready, owner) -> None:
+    def _holding(self, job: Job) -> int:
+        return sum(1 for s in self._servers.values() if s.version >= job.floor)
+
+    def _advance(self, job: Job) -> None:
+        """(Under the lock.) The requests a lost server left unfinished are taken back; what is not
+        handed out goes to the servers holding the job's weights, once min_servers of them are there
+        for its first hand-out (a resubmission needs one)."""
+        ready = [s for s in self._servers.values() if s.version >= job.floor]
+        lost = [rid for rid, who in job.owner.items() if rid not in job.answers and who not in self._servers]
+        for rid in lost:
+            del job.owner[rid]
+        self.stats.resubmitted_total += len(lost)
+        todo = [rid for rid in job.ids if rid not in job.answers and rid not in job.owner]
+        need = 1 if job.handed_out else job.min_servers
+        job.waiting_for = need if todo and len(ready) < need else 0
+        if todo and not job.waiting_for:
+            self._hand_out(job, todo, ready)
+            job.handed_out = True
+
+    def _hand_out(self, job: Job, todo: list[int], ready: list[_Server]) -> None:
         """Contiguous chunks of `todo`, one per ready server (under the lock)."""
         per = -(-len(todo) // len(ready))
         for k, server in enumerate(ready):
             chunk = todo[k * per:(k + 1) * per]
             if not chunk:
                 continue
-            rows = [requests[ids[rid]] for rid in chunk]
+            rows = [job.requests[job.ids[rid]] for rid in chunk]
             self._outbox.put((server.identity, encode(
-                "request", step=step, version=version, request_ids=chunk, prompt_index=[r["prompt_index"] for r in rows],
-                prompt_ids=[list(r["prompt_ids"]) for r in rows], seeds=[list(r["seeds"]) for r in rows], sampling=sampling)))
-            owner.update((rid, server.identity) for rid in chunk)
+                "request", step=job.step, version=job.floor, request_ids=chunk,
+                prompt_index=[r["prompt_index"] for r in rows], prompt_ids=[list(r["prompt_ids"]) for r in rows],
+                seeds=[list(r["seeds"]) for r in rows], sampling=job.sampling)))
+            job.owner.update((rid, server.identity) for rid in chunk)
 
-    def _take(self, identity, header, version, ids, owner, answers, requests) -> None:
-        """A result message: kept when it answers requests this server still owns at this version."""
-        server_id = header["server_id"]
-        if header["version"] != version or any(owner.get(rid) != identity for rid in header["request_ids"]):
-            # a lost server's late answer, or an earlier step's: its requests went elsewhere
+    def _take(self, identity: bytes, header: dict) -> None:
+        """(Under the lock.) A result message: kept when it answers requests of one job that this
+        server still owns, generated with the job's weights or newer."""
+        server_id, rids = header["server_id"], header["request_ids"]
+        job = self._jobs.get(rids[0]) if rids else None
+        if job is None or header["version"] < job.floor or any(job.owner.get(rid) != identity for rid in rids):
+            # a lost server's late answer, or one to a job collected already: its requests went elsewhere
             self.log(f"megarl fleet: dropped a result of server {server_id} (weights version {header['version']}, "
-                     f"{len(header['request_ids'])} requests it no longer holds)")
+                     f"{len(rids)} requests it no longer holds)")
             return
-        by_request: dict[int, list[dict]] = {rid: [] for rid in header["request_ids"]}
+        by_request: dict[int, list[dict]] = {rid: [] for rid in rids}
         for sample in header["samples"]:
             if sample["request_id"] not in by_request:
                 self.log(f"megarl fleet: dropped a result of server {server_id}: sample of request "
                          f"{sample['request_id']}, which it was not asked")
-                for rid in header["request_ids"]:
-                    owner.pop(rid, None)  # resubmitted
+                for rid in rids:
+                    job.owner.pop(rid, None)  # resubmitted
                 return
             by_request[sample["request_id"]].append(sample)
         for rid, samples in by_request.items():
-            n = len(requests[ids[rid]]["seeds"])
+            n = len(job.requests[job.ids[rid]]["seeds"])
             if sorted(s["sample_index"] for s in samples) != list(range(n)) or any(
                     len(s["token_ids"]) != len(s["logprobs"]) for s in samples):
                 self.log(f"megarl fleet: dropped a result of server {server_id}: request {rid} does not have its {n} "
                          f"samples with one log-prob per token; resubmitting its requests")
-                for r in header["request_ids"]:
-                    owner.pop(r, None)
+                for r in rids:
+                    job.owner.pop(r, None)
                 return
         for rid, samples in by_request.items():
-            answers[rid] = Answer(rid, server_id, header["version"], samples)
+            job.answers[rid] = Answer(rid, server_id, header["version"], samples)
 
     # ------------------------------------------------------------ the socket's thread
     def _loop(self) -> None:
@@ -265,6 +311,9 @@ class FleetEndpoint:
                 if now >= next_beat:
                     next_beat = now + self.heartbeat_s / 3
                     self._beat(now)
+                with self._cond:  # jobs submitted ahead go out, and are resubmitted, while the trainer trains
+                    for job in {id(job): job for job in self._jobs.values()}.values():
+                        self._advance(job)
         finally:
             self._socket.close(linger=1000)
             self._context.term()
@@ -305,7 +354,7 @@ class FleetEndpoint:
             elif kind == "result":
                 if header["tokens_per_s"] > 0:
                     server.tokens_per_s = float(header["tokens_per_s"])
-                self._answers.append((identity, {**header, "server_id": server.server_id}))
+                self._take(identity, {**header, "server_id": server.server_id})
             elif kind == "bye":
                 del self._servers[identity]
                 self.log(f"megarl fleet: server {server.server_id} left ({header['reason']}); {len(self._servers)} joined")

@@ -9,8 +9,8 @@ it and then every update, and answers the requests of each step, each sample see
 says. The engine is the run's rollout.engine (the trainer refuses a server running another): hf, the
 built-in engine, or vllm, one in-process vLLM engine (rollout.tp=1) in a torch.distributed world of
 its own, which generates what a colocated rollout.engine=vllm run generates. The socket stays on the
-main thread, which sends a heartbeat every heartbeat_s / 3 while a worker thread loads weights and
-generates; if the trainer falls silent for 3 heartbeat_s, or closes the connection (a trainer that
+main thread, which sends a heartbeat every heartbeat_s / 3 while two threads receive weights and
+load them and generate (`_Worker`); if the trainer falls silent for 3 heartbeat_s, or closes the connection (a trainer that
 died), the server says so and joins again, keeping its engine: a trainer restarted under
 `torchrun --max-restarts` finds its servers back. It exits 0 when the run ends (the trainer's bye),
 2 when refused or given bad arguments (a missing vllm included).
@@ -136,12 +136,26 @@ def _one_rank_world(local_rank: int) -> None:
 
 
 class _Worker:
-    """The engine's thread: builds the engine, loads weights, generates; replies go to `outbox`."""
+    """The server's two working threads; replies go to `outbox`, which wakes the socket's thread.
+
+    The engine's thread builds the engine (a welcome), loads weights and generates, one job at a
+    time in the order they came. The link's thread joins the weight link and receives each version's
+    bytes while the engine generates: under async.max_staleness the trainer publishes new weights
+    while this server still works through requests of earlier steps, and a trainer's send waits for
+    its receive (gloo), so a receive queued behind them could outlast the send's timeout. A version
+    is loaded between two requests, in the order the jobs came: requests sent before it are
+    generated with the weights before it, which the trainer allows (a request names the oldest
+    version it may be generated with).
+
+    Each welcome starts a session (a trainer, or the same one after a cut link); a job of an
+    earlier session is skipped: its trainer is gone, and so is its link."""
 
     def __init__(self, server_id: str, engine_maker: ServerEngine, trainer_host: str, log):
         self.server_id, self.engine_maker, self.trainer_host, self.log = server_id, engine_maker, trainer_host, log
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()  # (kind, header, session) for the engine's thread
+        self.link_jobs: queue.SimpleQueue = queue.SimpleQueue()  # the same for the link's thread
         self.outbox = Mailbox()  # replies for the socket's thread, which it wakes
+        self.session = 0  # the newest welcome's number (set by the socket's thread)
         self.engine = None
         self.hf_dir = None  # the engine's model directory (config.json), kept while the engine lives
         self.built_for = None  # (model config, dtype, max_model_len) of the engine
@@ -149,22 +163,38 @@ class _Worker:
         self.link = None  # the weight link of the current session (megarl/fleet/link.py)
         self.link_timeout_s = 60.0
         self.delay_s = float(os.environ.get(TEST_DELAY_ENV, "0") or 0)
-        self.thread = threading.Thread(target=self._run, name="megarl-serve-engine", daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(self.jobs, "_"), name="megarl-serve-engine", daemon=True)
         self.thread.start()
+        # never joined: a receive from a trainer that died ends only at the link's timeout
+        threading.Thread(target=self._run, args=(self.link_jobs, "_link_"), name="megarl-serve-link", daemon=True).start()
 
-    def _run(self) -> None:
+    def take(self, kind: str, header: dict) -> None:
+        """A trainer's message for the threads (from the socket's thread): a welcome starts a session."""
+        if kind == "welcome":
+            self.session += 1
+        (self.link_jobs if kind == "weights" else self.jobs).put((kind, header, self.session))
+
+    def stop(self) -> None:
+        self.link_jobs.put(("stop", None, None))
+        self.jobs.put(("stop", None, None))
+        self.thread.join()
+
+    def _run(self, jobs: queue.SimpleQueue, prefix: str) -> None:
         while True:
-            kind, header = self.jobs.get()
+            kind, header, session = jobs.get()
             if kind == "stop":
-                if self.engine is not None:
+                if prefix == "_" and self.engine is not None:
                     self.engine.close()  # vLLM shuts its engine down now rather than in an exit hook
                 return
+            if session != self.session:
+                continue  # an earlier session's: its trainer is gone
             try:
-                getattr(self, "_" + kind)(header)
+                getattr(self, prefix + kind)(header, session)
             except Exception as err:  # a bad job must not end the server: the trainer resubmits elsewhere
                 self.log(f"{kind} failed: {type(err).__name__}: {err}")
 
-    def _welcome(self, header) -> None:
+    # ------------------------------------------------------------ the engine's thread
+    def _welcome(self, header, session) -> None:
         # the server keeps its engine when it joins again (a restarted trainer, a link back up): the
         # same model needs no rebuild, only the weights the trainer sends next
         built_for = (header["model_config"], header["dtype"], header["max_model_len"])
@@ -180,27 +210,19 @@ class _Worker:
         else:
             self.log("kept the engine built for this model; waiting for weights")
         self.version = 0
-        # the engine is built: the trainer builds its end of the link now, so neither end waits long
-        offer = header["transfer"]
-        self.link = None  # a new session's link replaces the old one (its group closes)
-        self.outbox.put(encode("link", prefix=offer["prefix"]))
-        self.link = link.join(self.trainer_host, offer)
-        self.link_timeout_s = float(offer["timeout_s"])
-        self.log("weight link built")
+        # the engine is built: the link's thread joins the link now, so neither end waits long
+        self.link_jobs.put(("join", header["transfer"], session))
 
-    def _weights(self, header) -> None:
-        if self.engine is None or self.link is None:
-            raise RuntimeError("weights before the model config and the weight link")
-        flat = link.receive(self.link, header["bytes"], self.link_timeout_s)
-        self.engine.load_weights(link.unflatten(header["tensors"], flat))
+    def _load(self, header, session) -> None:
+        self.engine.load_weights(link.unflatten(header["tensors"], header["flat"]))
         self.engine.resume_memory()  # the protocol's order; a server never releases it (vLLM: no sleep mode)
         self.version = self.engine.version = header["version"]
         self.outbox.put(encode("ready", version=self.version))
         self.log(f"weights version {self.version} loaded")
 
-    def _request(self, header) -> None:
-        if header["version"] != self.version:  # the trainer asks servers at its version only; late news
-            self.log(f"dropped a request for weights version {header['version']} (holding {self.version})")
+    def _request(self, header, session) -> None:
+        if header["version"] > self.version:  # the trainer asks servers holding the version or newer: late news
+            self.log(f"dropped a request for weights version {header['version']} or newer (holding {self.version})")
             return
         if self.delay_s:
             time.sleep(self.delay_s)
@@ -212,6 +234,7 @@ class _Worker:
                 for rid, pi, ids, seeds in zip(header["request_ids"], header["prompt_index"], header["prompt_ids"],
                                                header["seeds"])
                 for j, seed in enumerate(seeds)]
+        version = self.version  # what generates them (a load waits for the next job)
         start = time.perf_counter()
         results = self.engine.generate([r for _, _, r in rows], sampling) if rows else []
         elapsed = time.perf_counter() - start
@@ -221,8 +244,22 @@ class _Worker:
                     "scaled_logprobs": [float(x) for x in r.scaled_logprobs] if r.scaled_logprobs is not None else [],
                     "finish_reason": r.finish_reason}
                    for (rid, j, _), r in zip(rows, results)]
-        self.outbox.put(encode("result", step=header["step"], version=self.version, request_ids=header["request_ids"],
+        self.outbox.put(encode("result", step=header["step"], version=version, request_ids=header["request_ids"],
                                samples=samples, tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0))
+
+    # ------------------------------------------------------------ the link's thread
+    def _link_join(self, offer, session) -> None:
+        self.link = None  # a new session's link replaces the old one (its group closes)
+        self.outbox.put(encode("link", prefix=offer["prefix"]))
+        self.link = link.join(self.trainer_host, offer)
+        self.link_timeout_s = float(offer["timeout_s"])
+        self.log("weight link built")
+
+    def _link_weights(self, header, session) -> None:
+        if self.engine is None or self.link is None:
+            raise RuntimeError("weights before the model config and the weight link")
+        flat = link.receive(self.link, header["bytes"], self.link_timeout_s)
+        self.jobs.put(("load", {**header, "flat": flat}, session))  # loaded between two requests
 
 
 def serve(address: str, token: str, engine_maker: ServerEngine, server_id: str) -> int:
@@ -234,8 +271,7 @@ def serve(address: str, token: str, engine_maker: ServerEngine, server_id: str) 
     while True:
         outcome = _session(address, token, engine_maker.name, server_id, worker, log)
         if outcome is not None:
-            worker.jobs.put(("stop", None))
-            worker.thread.join()
+            worker.stop()
             zmq.Context.instance().term()
             log.close()
             return outcome
@@ -288,7 +324,7 @@ def _session(address, token, engine, server_id, worker: _Worker, log) -> int | N
                 if kind in ("welcome", "weights", "request"):
                     if kind == "request":
                         log(f"step {header['step']}: {len(header['request_ids'])} requests (weights version {header['version']})")
-                    worker.jobs.put((kind, header))
+                    worker.take(kind, header)
             now = time.monotonic()
             if heartbeat_s is None:
                 continue  # not welcomed yet: the hello waits in ZeroMQ's queue until the trainer is there

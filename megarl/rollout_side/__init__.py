@@ -11,7 +11,8 @@ branches on which side it has:
     side.close()                      after the last step
 
 The sides: `LocalRollout` (rollout.placement=colocated: the engine on the training ranks),
-`FleetRollout` (fleet: servers outside the torchrun world, joining and leaving as they go),
+`FleetRollout` (fleet: servers outside the torchrun world, joining and leaving as they go, up to
+async.max_staleness steps ahead),
 `RemoteRolloutSide` (separate: the rollout ranks' servers, requests up to async.max_staleness
 steps ahead) and `DynamicSampling` (algorithm.filter_groups: rounds of generation over either
 until enough groups have a score spread). `build_rollout_side` picks them from the config; what a
@@ -35,7 +36,8 @@ def build_rollout_side(cfg, *, setup, engine, hand_over: WeightHandOver, dispatc
     when algorithm.filter_groups is on."""
     episodes = cfg.rollout.multi_turn.environment is not None  # the engine runs an episode per sample
     if cfg.rollout.placement == "fleet":
-        side: RolloutSide = FleetRollout(engine, setup.weight_path, hand_over, dispatch, data, sampling, to_samples, dims.world_size)
+        side: RolloutSide = FleetRollout(engine, setup.weight_path, hand_over, dispatch, data, sampling, to_samples,
+                                         dims.world_size, cfg.async_.max_staleness, cfg.trainer.total_steps)
     elif separate is not None:
         schedule = AsyncSchedule(engine, dispatch, cfg.async_.max_staleness, cfg.trainer.total_steps)
         side = RemoteRolloutSide(engine, setup.weight_path, hand_over, dispatch, data, sampling, to_samples,

@@ -166,7 +166,10 @@ def test_a_server_of_another_engine_is_refused_and_one_of_the_runs_is_told_the_s
 @pytest.mark.parametrize("overrides, world_size, message", [
     (["rollout.engine=sglang"], 1, "rollout.placement=fleet runs servers with rollout.engine=hf or vllm so far, got sglang"),
     (["rollout.engine=vllm", "rollout.tp=2"], 2, "rollout.placement=fleet runs servers of one process (rollout.tp=1) so far"),
-    (["async.max_staleness=1"], 1, "rollout.placement=fleet is synchronous so far"),
+    (["async.max_staleness=1", "async.partial_rollout=true"], 1,
+     "rollout.placement=fleet does not continue requests under newer weights (async.partial_rollout) yet"),
+    (["async.max_staleness=1", "algorithm.filter_groups.enable=true", "algorithm.adv_estimator=grpo"], 1,
+     "set async.max_staleness=0 or algorithm.filter_groups.enable=false"),
     (["rollout.num_ranks=1"], 1, "rollout.num_ranks = 1 applies to rollout.placement=separate only"),
     (["actor.routing_replay=true"], 1, "rollout.placement=fleet does not run actor.routing_replay yet"),
     (["rollout.fleet.host=10.0.0.0/24"], 1, "is not an interface address or name"),

@@ -1,0 +1,78 @@
+"""rollout.placement=fleet at async.max_staleness=1 (issue 41, item 4): the trainer submits each step's
+requests a step ahead, so the servers generate step t + 1 while it trains step t.
+
+A sample is a function of the weights, the prompt and its seed, and a server takes new weights only
+between requests, in the order they came: step t's requests, sent with the weights of step t - 1,
+are generated with those. So the run trains what separate placement at async.max_staleness=1 trains
+(its rollout rank generates step t with the same weights), and logs its metrics, the `async/`
+staleness ones included; and every sample is one update old from step 2 on, never more."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, free_port, wait_for_output
+
+sys.path.insert(0, str(REPO / "tests" / "trainer"))
+from ppo_helpers import read_metrics, reference_run, shared_overrides  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
+STEPS = 4
+COMMON = {"trainer.total_steps": STEPS, "tracking.sample_ids": "true", "async.max_staleness": 1}
+# metrics only one of the two placements has, or that measure its own transport
+OWN = ("timing_s/", "perf/", "memory/", "throughput/", "fleet/", "async/rollout_", "async/trainer_wait_s",
+       "training/hybrid_sync")
+
+
+def test_fleet_at_k1_trains_what_separate_placement_at_k1_trains(tmp_path):
+    run_dir, port = tmp_path / "fleet", free_port()
+    overrides = shared_overrides(run_dir, **COMMON, **{
+        "rollout.placement": "fleet", "rollout.fleet.port": port, "rollout.fleet.min_servers": 2})
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    procs: list[subprocess.Popen] = []
+
+    def start(args: list[str], name: str, extra_env: dict | None = None) -> subprocess.Popen:
+        with open(tmp_path / f"{name}.log", "w") as out:
+            proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env={**env, **(extra_env or {})}, stdout=out,
+                                    stderr=subprocess.STDOUT)
+        procs.append(proc)
+        return proc
+
+    try:
+        trainer = start(["launch/ppo.py", "--config", "configs/tiny_cpu.yaml", *overrides], "trainer")
+        wait_for_output(tmp_path / "trainer.log", "megarl fleet: endpoint open", trainer)
+        for name, delay in (("a", "0.5"), ("b", "0")):  # a slow: weights reach it while it generates
+            start(["-m", "megarl.rollout.serve", "--trainer", f"127.0.0.1:{port}", "--token-file",
+                   str(run_dir / "fleet.token"), "--server-id", name], name, {"MEGARL_FLEET_TEST_DELAY_S": delay})
+        assert trainer.wait(timeout=300) == 0, (tmp_path / "trainer.log").read_text()[-4000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    # step 1 trains the samples of the first weights; every later step those of the step before
+    assert [m["async/staleness_max"] for m in metrics] == [0, 1, 1, 1]
+    assert [m["async/dropped_stale"] for m in metrics] == [0, 0, 0, 0]
+    steps = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    for line in steps:  # every prompt once; the weights version that generated it (the fleet's: = its step)
+        assert sorted((r[1], r[2]) for r in line["samples"]) == [(p, j) for p in range(8) for j in range(4)]
+        assert {tuple(r[3]) and r[3][0] for r in line["samples"]} == {max(line["step"] - 1, 1)}
+        assert {r[4] for r in line["samples"]} == {"a", "b"}
+
+    # separate placement at K = 1 (one training rank, one rollout rank): the same samples, the same metrics
+    reference = reference_run(2, **COMMON, **{"rollout.placement": "separate", "rollout.num_ranks": 1})
+    ref_steps = [json.loads(line) for line in (reference / "samples.jsonl").read_text().splitlines()]
+    assert [[r[:3] for r in s["samples"]] for s in steps] == [[r[:3] for r in s["samples"]] for s in ref_steps]
+    for fleet_row, ref_row in zip(metrics, read_metrics(reference), strict=True):
+        compared = [k for k in ref_row if k in fleet_row and isinstance(ref_row[k], (int, float)) and not k.startswith(OWN)]
+        assert len(compared) > 30 and "async/staleness_mean" in compared
+        for key in compared:
+            assert fleet_row[key] == pytest.approx(ref_row[key], abs=1e-6), key
