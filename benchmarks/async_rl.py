@@ -11,7 +11,9 @@ separate_async_over_colocated_sync (the best K), each group's idle fraction (tra
 for samples; rollout rank: 1 - generating time over the steps' time; colocated ranks do both phases
 in turn, so the rollout phase's share of the step is reported for them), and the staleness seen.
 fleet_1_over_separate_sync and fleet_2_over_separate_sync compare the fleet with the placement it
-replaces (both synchronous; at 2 servers on 2 cores generation has both cores while training waits).
+replaces (both synchronous; at 2 servers on 2 cores generation has both cores while training waits);
+fleet_1_k1 and fleet_2_k1 are the same fleets at async.max_staleness=1, compared with separate-async
+at K = 1 and with the synchronous fleet of as many servers.
 The defaults make generation and training cost about the same on the split ranks: separate-sync's
 `busy_s_per_step` (the training rank's step less its wait for samples; the rollout rank's generating
 seconds) are in the result so that balance can be checked (at balance the overlap can at most halve
@@ -54,7 +56,10 @@ MODES = {"colocated_sync": {},
          "separate_async_k2": {"rollout.placement": "separate", "rollout.num_ranks": 1, "async.max_staleness": 2},
          # one training process and 1 or 2 rollout servers (python -m megarl.rollout.serve) joined to it
          "fleet_1": {"rollout.placement": "fleet", "rollout.fleet.min_servers": 1},
-         "fleet_2": {"rollout.placement": "fleet", "rollout.fleet.min_servers": 2}}
+         "fleet_2": {"rollout.placement": "fleet", "rollout.fleet.min_servers": 2},
+         # the same fleets at K = 1: the servers generate step t + 1 while the trainer trains step t
+         "fleet_1_k1": {"rollout.placement": "fleet", "rollout.fleet.min_servers": 1, "async.max_staleness": 1},
+         "fleet_2_k1": {"rollout.placement": "fleet", "rollout.fleet.min_servers": 2, "async.max_staleness": 1}}
 FLEET_SERVERS = {mode: o["rollout.fleet.min_servers"] for mode, o in MODES.items() if o.get("rollout.placement") == "fleet"}
 
 
@@ -119,11 +124,13 @@ def run(mode: str, root: Path, run_dir: Path, steps: int, extra: list[str]) -> d
                                           for r in measured) / len(measured), 4),
            "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)]}  # before, after the launch
     if "async/trainer_wait_s" in rows[-1]:
-        busy = rows[-1]["async/rollout_busy_s"] - rows[0]["async/rollout_busy_s"]
         wait = sum(r["async/trainer_wait_s"] for r in measured)
-        out["idle_fraction"] = {"train": round(wait / seconds, 4), "rollout": round(max(0.0, 1 - busy / seconds), 4)}
-        out["busy_s_per_step"] = {"train": round((seconds - wait) / len(measured), 4),
-                                  "rollout": round(busy / len(measured), 4)}
+        out["idle_fraction"] = {"train": round(wait / seconds, 4)}
+        out["busy_s_per_step"] = {"train": round((seconds - wait) / len(measured), 4)}
+        if "async/rollout_busy_s" in rows[-1]:  # separate placement's rollout rank reports its generating time
+            busy = rows[-1]["async/rollout_busy_s"] - rows[0]["async/rollout_busy_s"]
+            out["idle_fraction"]["rollout"] = round(max(0.0, 1 - busy / seconds), 4)
+            out["busy_s_per_step"]["rollout"] = round(busy / len(measured), 4)
         out["staleness"] = {"max": max(r["async/staleness_max"] for r in rows),
                             "mean": round(sum(r["async/staleness_mean"] for r in measured) / len(measured), 4),
                             "dropped": sum(r["async/dropped_stale"] for r in rows)}
@@ -158,13 +165,21 @@ def summarize(rounds: list[dict]) -> dict:
 
 
 def fleet_ratios(rounds: list[dict]) -> dict:
-    """Each fleet mode's samples/s over separate-sync's (the median of the rounds' ratios): the fleet
-    is synchronous so far, so separate-sync is what it replaces."""
+    """Each fleet mode's samples/s over separate-sync's (what a synchronous fleet replaces), an
+    asynchronous fleet's also over separate placement at the same K (what it replaces) and over the
+    synchronous fleet of as many servers: the medians of the rounds' ratios."""
+    def ratio(mode: str, base: str) -> float | None:
+        if not all(mode in r and base in r for r in rounds):
+            return None
+        return round(statistics.median(r[mode]["samples_per_s"] / r[base]["samples_per_s"] for r in rounds), 3)
+
     out = {}
     for mode in FLEET_SERVERS:
-        if all(mode in r and "separate_sync" in r for r in rounds):
-            out[f"{mode}_over_separate_sync"] = round(statistics.median(
-                r[mode]["samples_per_s"] / r["separate_sync"]["samples_per_s"] for r in rounds), 3)
+        k = MODES[mode].get("async.max_staleness", 0)
+        bases = ["separate_sync"] + ([f"separate_async_k{k}", f"fleet_{FLEET_SERVERS[mode]}"] if k else [])
+        for base in bases:
+            if (value := ratio(mode, base)) is not None:
+                out[f"{mode}_over_{base}"] = value
     return out
 
 

@@ -54,10 +54,10 @@ def check_placement(cfg: Config) -> None:
 
 def _check_fleet(cfg: Config) -> None:
     """What rollout.placement=fleet runs so far (megarl.rollout_side.fleet): steps up to
-    async.max_staleness ahead without partial rollouts, servers of one process running the hf or the
-    vllm engine, single-turn samples. rollout.engine names the
-    servers' engine (each starts with `--engine` the same; the trainer refuses another) and the
-    training job builds none."""
+    async.max_staleness ahead without partial rollouts, servers running the hf engine (one process) or
+    the vllm engine (rollout.tp processes), single-turn samples. rollout.engine and rollout.tp name
+    the servers' engine and its size (each starts with the same `--engine`, under torchrun
+    --nproc_per_node rollout.tp; the trainer refuses another) and the training job builds none."""
     r, a = cfg.rollout, cfg.async_
     if r.num_ranks:
         raise ConfigError(f"rollout.num_ranks = {r.num_ranks} applies to rollout.placement=separate only; fleet servers join "
@@ -65,9 +65,10 @@ def _check_fleet(cfg: Config) -> None:
     if r.engine not in ("hf", "vllm"):
         raise ConfigError(f"rollout.placement=fleet runs servers with rollout.engine=hf or vllm so far, got {r.engine}: set "
                           f"one of those or rollout.placement=colocated")
-    if r.tp != 1:
-        raise ConfigError(f"rollout.placement=fleet runs servers of one process (rollout.tp=1) so far, got rollout.tp = "
-                          f"{r.tp}: set rollout.tp=1 or rollout.placement=colocated or separate")
+    if r.tp != 1 and r.engine != "vllm":
+        raise ConfigError(f"rollout.placement=fleet runs servers of rollout.tp > 1 with rollout.engine=vllm (torchrun "
+                          f"--nproc_per_node {r.tp} -m megarl.rollout.serve), got rollout.engine={r.engine} with rollout.tp = "
+                          f"{r.tp}: set rollout.tp=1 or rollout.engine=vllm")
     if a.partial_rollout:
         # a server takes new weights between requests, never within one: no request spans two versions
         raise ConfigError("rollout.placement=fleet does not continue requests under newer weights (async.partial_rollout) "

@@ -201,7 +201,8 @@ def _check_layout(cfg: Config, world_size: int) -> BatchSizes:
         raise ConfigError(f"world size must be >= 1, got {world_size}")
     try:  # ParallelDims' arithmetic, torch-free
         dp = layout_of(p, world_size).dp
-        check_rollout(cfg.rollout.engine, cfg.rollout.tp, world_size)
+        # a fleet's servers are worlds of their own (torchrun --nproc_per_node rollout.tp): no block of this one
+        check_rollout(cfg.rollout.engine, cfg.rollout.tp, None if cfg.rollout.placement == "fleet" else world_size)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     model_parallel = p.tp * p.pp * p.cp

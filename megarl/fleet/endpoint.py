@@ -111,13 +111,13 @@ class FleetEndpoint:
     """The ROUTER the servers join; `publish` and `run` are called from the trainer's thread."""
 
     def __init__(self, host: str, port: int, token: str, heartbeat_s: float, model_config: dict, dtype: str,
-                 log: Callable[[str], None] = print, *, engine: str = "hf", max_model_len: int | None = None):
+                 log: Callable[[str], None] = print, *, engine: str = "hf", tp: int = 1, max_model_len: int | None = None):
         self.token, self.heartbeat_s = token, heartbeat_s
         self.log = BackgroundLog(log)  # a slow log write never holds up the socket's thread (megarl/fleet/log.py)
         self._model_config, self._dtype = model_config, dtype
-        # the one engine the run's servers may run (rollout.engine), and the prompt + response tokens
-        # vLLM sizes its sequences by (None: the model's own limit), told in the welcome
-        self.engine, self._max_model_len = engine, max_model_len
+        # the one engine the run's servers may run (rollout.engine) and its ranks (rollout.tp), and the
+        # prompt + response tokens vLLM sizes its sequences by (None: the model's own limit), told in the welcome
+        self.engine, self.tp, self._max_model_len = engine, tp, max_model_len
         # building a link and sending the weights over it: both ends are there when it starts, so
         # only a dead or cut-off server takes this long (and is then lost)
         self.link_timeout_s = max(60.0, 3 * heartbeat_s)
@@ -195,9 +195,8 @@ class FleetEndpoint:
                     if job.waiting_for and time.monotonic() - said >= self.heartbeat_s:
                         said = time.monotonic()
                         self.log(f"megarl fleet: step {job.step}: waiting for rollout servers: {self._holding(job)} of "
-                                 f"{job.waiting_for} hold weights version {job.floor} ({len(self._servers)} joined; start "
-                                 f"one with `python -m megarl.rollout.serve --trainer {self.address} --token-file "
-                                 f"<rollout.fleet.token_file> --engine {self.engine}`)")
+                                 f"{job.waiting_for} hold weights version {job.floor} ({len(self._servers)} joined; "
+                                 f"{self._start_hint()})")
                     self._cond.wait(timeout=0.1)
                 self.stats.servers = sum(1 for s in self._servers.values() if s.version == self.version)
                 self.stats.tokens_per_s = {s.server_id: s.tokens_per_s for s in self._servers.values()
@@ -225,6 +224,11 @@ class FleetEndpoint:
         self._stop.set()
         self._thread.join(timeout=5.0)
         self.log.close()
+
+    def _start_hint(self) -> str:
+        launcher = "python" if self.tp == 1 else f"torchrun --nproc_per_node {self.tp}"
+        return (f"start one with `{launcher} -m megarl.rollout.serve --trainer {self.address} --token-file "
+                f"<rollout.fleet.token_file> --engine {self.engine}`")
 
     def _holding(self, job: Job) -> int:
         return sum(1 for s in self._servers.values() if s.version >= job.floor)
@@ -378,6 +382,14 @@ class FleetEndpoint:
                      f"rollout.engine is {self.engine}")
             self._outbox.put((identity, encode("refused", reason=f"engine {header['engine']!r}: this run's servers run "
                                                                  f"rollout.engine={self.engine}: start them with --engine {self.engine}")))
+            return
+        if header["tp"] != self.tp:
+            # vLLM at another tensor-parallel size reduces in another order: a resubmitted request could change
+            self.stats.refused_total += 1
+            self.log(f"megarl fleet: refused server {header['server_id']!r}: {header['tp']} ranks, but this run's "
+                     f"rollout.tp is {self.tp}")
+            self._outbox.put((identity, encode("refused", reason=f"{header['tp']} ranks: this run's servers run "
+                                                                 f"rollout.tp={self.tp}: {self._start_hint()}")))
             return
         offer = self._links.offer()  # a new link for every join: a server that joins again gets a new one
         self._servers[identity] = _Server(identity, header["server_id"], time.monotonic(), offer)

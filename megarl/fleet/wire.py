@@ -8,7 +8,7 @@ type, no field left over, no extra frame, and a weights message's byte count aga
 A message that fails raises `WireError` with the reason; the receiver logs it and drops the message
 (a peer never stops the run).
 
-    server -> trainer   hello{token, server_id, engine}   (the first message; nothing is sent before
+    server -> trainer   hello{token, server_id, engine, tp}   (the first message; nothing is sent before
                                                             the token checks out)
                         link{prefix}                      (its engine is built: it joins its weight link)
                         ready{version}                    (weights of that version loaded)
@@ -42,7 +42,7 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 Number = (int, float)
 OptionalInt = (int, type(None))
 SCHEMAS: dict[str, dict[str, object]] = {
-    "hello": {"token": str, "server_id": str, "engine": str},
+    "hello": {"token": str, "server_id": str, "engine": str, "tp": int},
     "welcome": {"model_config": dict, "dtype": str, "max_model_len": OptionalInt, "heartbeat_s": Number, "transfer": dict},
     "refused": {"reason": str},
     "weights": {"version": int, "tensors": [dict], "bytes": int},

@@ -269,7 +269,8 @@ def open_fleet(cfg, model_dir: str, dtype: torch.dtype, rank: int, max_model_len
     with open(Path(model_dir) / "config.json") as file:
         model_config = json.load(file)
     endpoint = FleetEndpoint(f.host, f.port, token, f.heartbeat_s, model_config, DTYPE_NAMES[dtype], log=log,
-                             engine=cfg.rollout.engine, max_model_len=max_model_len)
-    log(f"megarl fleet: endpoint open on {endpoint.address}; start servers with `python -m megarl.rollout.serve "
+                             engine=cfg.rollout.engine, tp=cfg.rollout.tp, max_model_len=max_model_len)
+    launcher = "python" if cfg.rollout.tp == 1 else f"torchrun --nproc_per_node {cfg.rollout.tp}"
+    log(f"megarl fleet: endpoint open on {endpoint.address}; start servers with `{launcher} -m megarl.rollout.serve "
         f"--trainer {endpoint.address} --token-file <a copy of rollout.fleet.token_file> --engine {cfg.rollout.engine}`")
     return FleetEngine(endpoint, f.min_servers)

@@ -44,3 +44,51 @@ def test_a_vllm_server_without_vllm_says_how_to_install_it_and_exits_2(tmp_path)
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("megarl serve: --engine vllm: the 'vllm' rollout engine needs vllm==")
     assert "pip install 'megarl[vllm]'" in lines[0] and "make venv-vllm" in lines[0]
+
+
+def test_an_hf_server_under_torchrun_of_two_ranks_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    """`torchrun --nproc_per_node N` is for a vLLM engine of rollout.tp = N; the hf engine is one
+    process: said before anything is built or joined."""
+    from megarl.rollout.serve import main
+
+    token = tmp_path / "fleet.token"
+    token.write_text("t\n")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["--trainer", "127.0.0.1:1", "--token-file", str(token), "--engine", "hf"]) == 2
+    assert capsys.readouterr().err == (
+        "megarl serve: --engine hf runs one process per server, but torchrun started 2: start it with `python -m "
+        "megarl.rollout.serve` (torchrun --nproc_per_node N is for --engine vllm at rollout.tp = N)\n")
+
+
+def test_lockstep_hands_rank_0s_jobs_to_the_other_ranks():
+    """rollout.tp > 1: each job rank 0 runs reaches the others whole and in order, a load with its
+    weights' bytes (two ranks of a gloo group here, in two threads)."""
+    import threading
+
+    import torch
+
+    from megarl.fleet import link
+    from megarl.rollout.serve import Lockstep
+
+    host = link.LinkHost("127.0.0.1", 30.0)
+    offer = host.offer()
+    groups = {}
+    joiner = threading.Thread(target=lambda: groups.update(follower=link.join("127.0.0.1", offer)))
+    joiner.start()
+    leader = Lockstep(host.accept(offer))
+    joiner.join(timeout=30)
+    follower = Lockstep(groups["follower"])
+    entries, flat = link.flatten([("w", torch.arange(6, dtype=torch.float32).reshape(2, 3)), ("b", torch.ones(3))])
+    jobs = [("welcome", {"model_config": {"model_type": "llama"}, "dtype": "float32", "max_model_len": 40}, None),
+            ("load", {"tensors": entries, "version": 3, "bytes": flat.numel()}, flat),
+            ("request", {"step": 2, "request_ids": [7], "prompt_ids": [[1, 2]]}, None), ("stop", {}, None)]
+    got = []
+    receiver = threading.Thread(target=lambda: got.extend(follower.receive() for _ in jobs))
+    receiver.start()
+    for kind, header, buffer in jobs:
+        leader.send(kind, header, buffer)
+    receiver.join(timeout=30)
+    assert [(kind, header) for kind, header, _ in got] == [(kind, header) for kind, header, _ in jobs]
+    assert got[0][2] is None and got[2][2] is None
+    assert [(n, t.tolist()) for n, t in link.unflatten(entries, got[1][2])] == [
+        ("w", [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]), ("b", [1.0, 1.0, 1.0])]

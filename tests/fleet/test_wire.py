@@ -45,7 +45,7 @@ def _header(**fields) -> bytes:
     ([_header(type="pickle", data=b"x")], "unknown message type 'pickle'"),
     ([msgpack.packb([1, 2])], "header is a list, not a map"),
     ([_header(type="hello", token="t", server_id="s")], "hello: missing field 'engine'"),
-    ([_header(type="hello", token="t", server_id="s", engine="hf", extra=1)], "hello: unknown field 'extra'"),
+    ([_header(type="hello", token="t", server_id="s", engine="hf", tp=1, extra=1)], "hello: unknown field 'extra'"),
     ([_header(type="heartbeat", version="1")], "heartbeat: field 'version' has the wrong type (str)"),
     ([_header(type="heartbeat", version=True)], "heartbeat: field 'version' has the wrong type (bool)"),
     ([_header(type="heartbeat", version=1), b"x"], "heartbeat carries 1 extra frames"),
@@ -104,7 +104,7 @@ def test_endpoint_refuses_a_wrong_token_and_drops_malformed_messages():
         intruder = context.socket(zmq.DEALER)
         socks.append(intruder)
         intruder.connect(f"tcp://127.0.0.1:{port}")
-        intruder.send_multipart(encode("hello", token="guess", server_id="intruder", engine="hf"))
+        intruder.send_multipart(encode("hello", token="guess", server_id="intruder", engine="hf", tp=1))
         assert _recv(intruder) == {"type": "refused", "reason": "wrong token: use the run's rollout.fleet.token_file"}
         intruder.send_multipart([b"\x93garbage"])  # malformed: dropped with a line
         intruder.send_multipart(encode("heartbeat", version=1))  # well-formed but not joined: dropped
@@ -112,7 +112,7 @@ def test_endpoint_refuses_a_wrong_token_and_drops_malformed_messages():
         server = context.socket(zmq.DEALER)
         socks.append(server)
         server.connect(f"tcp://127.0.0.1:{port}")
-        server.send_multipart(encode("hello", token="s3cret", server_id="good", engine="hf"))
+        server.send_multipart(encode("hello", token="s3cret", server_id="good", engine="hf", tp=1))
         welcome = _recv(server)
         assert welcome["type"] == "welcome" and welcome["model_config"] == {"model_type": "llama"}
         # the server built its engine: it joins the link offered, and the current weights come over it
@@ -137,35 +137,42 @@ def test_endpoint_refuses_a_wrong_token_and_drops_malformed_messages():
 
 
 def test_a_server_of_another_engine_is_refused_and_one_of_the_runs_is_told_the_sequence_length():
-    """The run's servers all run rollout.engine (hf and vLLM sample differently from one seed): a
-    server of another engine gets a refusal naming the --engine to start with; one of the run's
+    """The run's servers all run rollout.engine at rollout.tp (hf and vLLM sample differently from one
+    seed): a server of another engine or size gets a refusal naming how to start one; one of the run's
     engine gets the welcome, with max_model_len (vLLM sizes its KV cache by it)."""
     lines: list[str] = []
     port = _port()
     endpoint = FleetEndpoint("127.0.0.1", port, "tok", 30.0, {"model_type": "llama"}, "float32", log=lines.append,
-                             engine="vllm", max_model_len=40)
+                             engine="vllm", tp=2, max_model_len=40)
     context = zmq.Context.instance()
-    socks = [context.socket(zmq.DEALER) for _ in range(2)]
+    socks = [context.socket(zmq.DEALER) for _ in range(3)]
     try:
         for sock in socks:
             sock.connect(f"tcp://127.0.0.1:{port}")
-        socks[0].send_multipart(encode("hello", token="tok", server_id="hf-one", engine="hf"))
+        socks[0].send_multipart(encode("hello", token="tok", server_id="hf-one", engine="hf", tp=1))
         assert _recv(socks[0]) == {"type": "refused", "reason": "engine 'hf': this run's servers run rollout.engine=vllm: "
                                                                 "start them with --engine vllm"}
-        socks[1].send_multipart(encode("hello", token="tok", server_id="vllm-one", engine="vllm"))
-        welcome = _recv(socks[1], skip_heartbeats=True)
+        # vLLM at another tensor-parallel size sums in another order: a resubmitted request could change
+        socks[1].send_multipart(encode("hello", token="tok", server_id="vllm-one", engine="vllm", tp=1))
+        assert _recv(socks[1]) == {"type": "refused", "reason": (
+            f"1 ranks: this run's servers run rollout.tp=2: start one with `torchrun --nproc_per_node 2 -m "
+            f"megarl.rollout.serve --trainer 127.0.0.1:{port} --token-file <rollout.fleet.token_file> --engine vllm`")}
+        socks[2].send_multipart(encode("hello", token="tok", server_id="vllm-two", engine="vllm", tp=2))
+        welcome = _recv(socks[2], skip_heartbeats=True)
         assert welcome["type"] == "welcome" and welcome["max_model_len"] == 40
     finally:
         for sock in socks:
             sock.close(0)
         endpoint.close(farewell=False)
     assert "megarl fleet: refused server 'hf-one': engine 'hf', but this run's rollout.engine is vllm" in lines
-    assert (endpoint.stats.refused_total, endpoint.stats.joined_total) == (1, 1)
+    assert "megarl fleet: refused server 'vllm-one': 1 ranks, but this run's rollout.tp is 2" in lines
+    assert (endpoint.stats.refused_total, endpoint.stats.joined_total) == (2, 1)
 
 
 @pytest.mark.parametrize("overrides, world_size, message", [
     (["rollout.engine=sglang"], 1, "rollout.placement=fleet runs servers with rollout.engine=hf or vllm so far, got sglang"),
-    (["rollout.engine=vllm", "rollout.tp=2"], 2, "rollout.placement=fleet runs servers of one process (rollout.tp=1) so far"),
+    (["rollout.tp=2"], 1, "rollout.placement=fleet runs servers of rollout.tp > 1 with rollout.engine=vllm (torchrun "
+                          "--nproc_per_node 2 -m megarl.rollout.serve), got rollout.engine=hf"),
     (["async.max_staleness=1", "async.partial_rollout=true"], 1,
      "rollout.placement=fleet does not continue requests under newer weights (async.partial_rollout) yet"),
     (["async.max_staleness=1", "algorithm.filter_groups.enable=true", "algorithm.adv_estimator=grpo"], 1,
@@ -196,6 +203,8 @@ def test_fleet_vllm_servers_need_no_vllm_in_the_training_job():
     cfg = load_config("configs/tiny_cpu.yaml", ["rollout.placement=fleet", "rollout.engine=vllm"])
     validate(cfg, 1)
     check_rollout_engine(cfg)
+    # servers of rollout.tp = 2 are worlds of their own: a training world of 1 need not be a multiple
+    validate(load_config("configs/tiny_cpu.yaml", ["rollout.placement=fleet", "rollout.engine=vllm", "rollout.tp=2"]), 1)
     assert check_colocated_memory(cfg, 1, device_bytes=1.0)[1] is None  # 1 byte of GPU: nothing to fit beside training
 
 
@@ -233,7 +242,7 @@ def test_endpoint_resubmits_a_lost_servers_requests_and_drops_its_late_answer():
     try:
         for name, sock in (("s1", s1), ("s2", s2)):
             sock.connect(f"tcp://127.0.0.1:{port}")
-            sock.send_multipart(encode("hello", token="tok", server_id=name, engine="hf"))
+            sock.send_multipart(encode("hello", token="tok", server_id=name, engine="hf", tp=1))
             assert _recv(sock, skip_heartbeats=True)["type"] == "welcome"
             sock.send_multipart(encode("ready", version=1))  # no link: the weights do not matter here
         requests = [{"prompt_index": i, "prompt_ids": [1, i], "seeds": [10 * i, 10 * i + 1]} for i in range(4)]
@@ -271,6 +280,55 @@ def test_endpoint_resubmits_a_lost_servers_requests_and_drops_its_late_answer():
     assert (endpoint.stats.lost_total, endpoint.stats.resubmitted_total, endpoint.stats.servers) == (1, 2, 1)
 
 
+def test_jobs_submitted_ahead_go_out_and_are_resubmitted_while_nobody_collects():
+    """async.max_staleness: a job submitted before its servers are there is handed out by the socket's
+    thread as soon as min_servers hold its weights, with no collect running; a lost server's share goes
+    to a server that has newer weights meanwhile, whose answer (fresher) is kept, while an answer
+    older than the job's weights is dropped."""
+    lines: list[str] = []
+    port = _port()
+    endpoint = FleetEndpoint("127.0.0.1", port, "tok", 1.0, {}, "float32", log=lines.append)
+    endpoint.publish(1, [("w", torch.zeros(1))])
+    context = zmq.Context.instance()
+    s1, s2 = context.socket(zmq.DEALER), context.socket(zmq.DEALER)
+    requests = [{"prompt_index": i, "prompt_ids": [1, i], "seeds": [10 * i, 10 * i + 1]} for i in range(4)]
+    try:
+        job = endpoint.submit(2, requests, SAMPLING, min_servers=2)  # nobody there yet
+        for name, sock in (("s1", s1), ("s2", s2)):
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            sock.send_multipart(encode("hello", token="tok", server_id=name, engine="hf", tp=1))
+            assert _recv(sock, skip_heartbeats=True)["type"] == "welcome"
+            sock.send_multipart(encode("ready", version=1))
+        first1, first2 = _recv(s1, skip_heartbeats=True), _recv(s2, skip_heartbeats=True)
+        assert (first1["type"], first1["version"], first1["prompt_index"]) == ("request", 1, [0, 1])
+        assert first2["prompt_index"] == [2, 3]
+        endpoint.publish(2, [("w", torch.ones(1))])  # the trainer's next step; s1 takes it, s2 falls silent
+        s1.send_multipart(encode("ready", version=2))
+        old = _answer(first1)
+        old[0] = encode("result", step=2, version=0, request_ids=first1["request_ids"], samples=[], tokens_per_s=1.0)[0]
+        s1.send_multipart(old)  # older than the job's weights: dropped, and its requests stay with s1
+        s1.send_multipart(_answer(first1))
+        resubmitted, deadline = None, time.monotonic() + 20
+        while resubmitted is None and time.monotonic() < deadline:  # s1 beats on until s2's share comes
+            s1.send_multipart(encode("heartbeat", version=2))
+            if s1.poll(200):
+                header = decode(s1.recv_multipart())
+                resubmitted = header if header["type"] == "request" else None
+        assert resubmitted["prompt_index"] == [2, 3] and resubmitted["seeds"] == first2["seeds"]
+        assert resubmitted["version"] == 1  # the oldest weights it may be generated with
+        fresher = decode(_answer(resubmitted))
+        s1.send_multipart(encode("result", **{**{k: v for k, v in fresher.items() if k != "type"}, "version": 2}))
+        out = endpoint.collect(job)
+    finally:
+        s1.close(0)
+        s2.close(0)
+        endpoint.close()
+    assert [out[i].version for i in range(4)] == [1, 1, 2, 2] and {out[i].server_id for i in range(4)} == {"s1"}
+    assert [s["token_ids"] for s in out[3].samples] == [[30 % 7], [31 % 7]]
+    assert any(line.startswith("megarl fleet: dropped a result of server s1 (weights version 0") for line in lines)
+    assert (endpoint.stats.lost_total, endpoint.stats.resubmitted_total) == (1, 2)
+
+
 def test_a_wait_for_servers_ends_when_stop_says_so():
     """With fewer than min_servers servers, run waits (saying so each heartbeat_s) until stop() is
     true, then raises WaitStopped naming the step and the servers it had; the endpoint still closes."""
@@ -302,7 +360,7 @@ def test_a_server_whose_link_breaks_is_lost_and_a_new_one_gets_a_new_link():
         for name in ("s1", "s2"):
             sock = socks[name] = context.socket(zmq.DEALER)
             sock.connect(f"tcp://127.0.0.1:{port}")
-            sock.send_multipart(encode("hello", token="tok", server_id=name, engine="hf"))
+            sock.send_multipart(encode("hello", token="tok", server_id=name, engine="hf", tp=1))
             offers[name] = _recv(sock, skip_heartbeats=True)["transfer"]
             sock.send_multipart(encode("link", prefix=offers[name]["prefix"]))
             groups[name] = link.join("127.0.0.1", offers[name])
@@ -352,7 +410,7 @@ def test_a_blocked_log_never_holds_up_the_endpoint():
     sock = zmq.Context.instance().socket(zmq.DEALER)
     try:
         sock.connect(f"tcp://127.0.0.1:{port}")
-        sock.send_multipart(encode("hello", token="tok", server_id="s", engine="hf"))
+        sock.send_multipart(encode("hello", token="tok", server_id="s", engine="hf", tp=1))
         assert _recv(sock)["type"] == "welcome"  # the join's log line is still waiting to be written
         beats, deadline = 0, time.monotonic() + 3.0
         while time.monotonic() < deadline:
@@ -375,7 +433,7 @@ def test_a_joining_server_has_the_link_timeout_not_heartbeat_s():
     sock = zmq.Context.instance().socket(zmq.DEALER)
     try:
         sock.connect(f"tcp://127.0.0.1:{port}")
-        sock.send_multipart(encode("hello", token="tok", server_id="slow", engine="hf"))
+        sock.send_multipart(encode("hello", token="tok", server_id="slow", engine="hf", tp=1))
         assert _recv(sock)["type"] == "welcome"
         time.sleep(1.5)  # silent for 5 heartbeat_s while "building its engine"
         assert endpoint.stats.lost_total == 0 and endpoint.link_timeout_s >= 60

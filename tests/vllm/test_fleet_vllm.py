@@ -63,8 +63,35 @@ def test_a_vllm_server_generates_what_the_colocated_vllm_engine_does(tmp_path):
             assert fleet_row[key] == pytest.approx(ref_row[key], abs=1e-6), key
 
 
-def _fleet_run(tmp_path: Path, run_dir: Path, port: int, overrides: list[str]) -> None:
-    """The fleet run: the trainer and one `--engine vllm` server, both to exit 0."""
+def test_a_vllm_server_of_two_ranks_generates_what_the_colocated_tp2_engine_does(tmp_path):
+    """`torchrun --nproc_per_node 2 -m megarl.rollout.serve --engine vllm`: one vLLM engine over the
+    server's two ranks (rollout.tp=2), rank 0 talking to the trainer and handing each build, load and
+    generate to rank 1, which runs it with it. Its samples are those of the colocated
+    rollout.engine=vllm rollout.tp=2 engine at the same seed (two training ranks here as there: the
+    same weights at every step)."""
+    tp2 = {**COMMON, "rollout.tp": 2}
+    run_dir, port = tmp_path / "fleet", free_port()
+    overrides = shared_overrides(run_dir, **tp2, **{"rollout.placement": "fleet", "rollout.fleet.port": port})
+    prepare_inputs(shared_runs.resolved("configs/tiny_cpu.yaml", overrides))
+    _fleet_run(tmp_path, run_dir, port, overrides, server_ranks=2, trainer_ranks=2)
+    reference = reference_run(2, **tp2)
+    log = (tmp_path / "server.log").read_text()
+    assert "megarl serve v rank 1:" not in log, log[-3000:]  # rank 1 ran every job without a failure
+    steps = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    ref_steps = [json.loads(line) for line in (reference / "samples.jsonl").read_text().splitlines()]
+    assert [[r[:3] for r in s["samples"]] for s in steps] == [[r[:3] for r in s["samples"]] for s in ref_steps]
+    for fleet_row, ref_row in zip(read_metrics(run_dir), read_metrics(reference), strict=True):
+        compared = [k for k in ref_row if k in fleet_row and isinstance(ref_row[k], (int, float)) and k not in PATH_METRICS
+                    and not k.startswith(("timing_s/", "perf/", "memory/", "throughput/"))]
+        assert len(compared) > 30
+        for key in compared:
+            assert fleet_row[key] == pytest.approx(ref_row[key], abs=1e-6), key
+
+
+def _fleet_run(tmp_path: Path, run_dir: Path, port: int, overrides: list[str], server_ranks: int = 1,
+               trainer_ranks: int = 1) -> None:
+    """The fleet run: the trainer and one `--engine vllm` server, both to exit 0; a server or a trainer
+    of several ranks under torchrun."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
     procs: list[subprocess.Popen] = []
 
@@ -82,9 +109,11 @@ def _fleet_run(tmp_path: Path, run_dir: Path, port: int, overrides: list[str]) -
     token_file.write_text("a-test-token\n")
     token_file.chmod(0o600)
     try:
-        server = start(["-m", "megarl.rollout.serve", "--trainer", f"127.0.0.1:{port}", "--token-file", str(token_file),
-                        "--engine", "vllm", "--server-id", "v"], server_log)
-        trainer = start(["launch/ppo.py", "--config", "configs/tiny_cpu.yaml", *overrides], trainer_log)
+        serve = ["-m", "megarl.rollout.serve", "--trainer", f"127.0.0.1:{port}", "--token-file", str(token_file),
+                 "--engine", "vllm", "--server-id", "v"]
+        ppo = ["launch/ppo.py", "--config", "configs/tiny_cpu.yaml", *overrides]
+        server = start([*_torchrun(server_ranks), *serve], server_log)
+        trainer = start([*_torchrun(trainer_ranks), *ppo], trainer_log)
         assert trainer.wait(timeout=600) == 0, trainer_log.read_text()[-4000:]
         assert server.wait(timeout=60) == 0, server_log.read_text()[-4000:]  # the trainer's bye
     finally:
@@ -93,6 +122,10 @@ def _fleet_run(tmp_path: Path, run_dir: Path, port: int, overrides: list[str]) -
                 proc.kill()
                 proc.wait()
     assert "the trainer said bye" in server_log.read_text()
+
+
+def _torchrun(ranks: int) -> list[str]:
+    return ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)] if ranks > 1 else []
 
 
 def test_a_vllm_server_runs_on_its_builds_device():
