@@ -17,6 +17,10 @@ A request is one prompt with its samples' seeds: a sample is a function of the w
 prompt and its seed, so a request finishes the same wherever it runs. A server answers a chunk of
 requests in one result message; a chunk of a lost server is resubmitted whole, and its late
 answer, should one come, is dropped: no sample mixes two servers.
+
+The module is long because one thread owns the socket, and everything the socket's messages change
+(the servers, their links, the jobs in flight and the counters) lives with it under one lock: split
+over modules, that lock and its rules would be too.
 """
 from __future__ import annotations
 
@@ -182,7 +186,8 @@ class FleetEndpoint:
     def collect(self, job: Job, stop: Callable[[], bool] = lambda: False) -> dict[int, Answer]:
         """Each of the job's requests' answer, by position in its `requests`. While it waits for
         servers it says so every heartbeat_s, and `stop()` true ends the wait with WaitStopped."""
-        said = 0.0
+        # the first line after heartbeat_s of waiting: a server loading the step's weights is not news
+        said = time.monotonic()
         try:
             with self._cond:
                 while True:

@@ -68,7 +68,7 @@ def test_lockstep_hands_rank_0s_jobs_to_the_other_ranks():
     import torch
 
     from megarl.fleet import link
-    from megarl.rollout.serve import Lockstep
+    from megarl.rollout.server_engines import Lockstep
 
     host = link.LinkHost("127.0.0.1", 30.0)
     offer = host.offer()

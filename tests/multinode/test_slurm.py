@@ -101,7 +101,32 @@ def test_serve_sbatch_servers_join_a_fleet_run_from_a_job_of_their_own(tmp_path)
             if trainer.poll() is None:
                 trainer.kill()
                 trainer.wait()
-    assert "2 nodes x 1 servers (cpu)" in out and out.count("the trainer said bye") == 2, out[-6000:]
+    assert "2 nodes x 1 servers (rollout.tp 1, cpu)" in out and out.count("the trainer said bye") == 2, out[-6000:]
     metrics = read_metrics(run_dir)
     assert [m["fleet/servers"] for m in metrics] == [2, 2]
     assert {"fleet/tokens_per_s/n0-0", "fleet/tokens_per_s/n1-0"} <= set(metrics[-1])
+
+
+def test_ppo_sbatch_gives_its_last_nodes_to_rollout_servers(tmp_path):
+    """ROLLOUT_NODES=1: `sbatch --nodes 2 launch/slurm/ppo.sbatch` trains on node 0 and starts
+    serve.sbatch's server on node 1 as a step of the same job, joined to the fleet endpoint on node 0
+    with a token the script wrote (mode 0600); the run is rollout.placement=fleet without the config
+    saying so, and the job completes when the run ends."""
+    run_dir, token = tmp_path / "fleet", tmp_path / "fleet.token"
+    with netns.two_nodes() as nodes, slurm_cluster.slurm_cluster(nodes, tmp_path / "slurm-cluster") as cluster:
+        log = tmp_path / "job.out"
+        overrides = small_run_overrides(tmp_path, run_dir, **{
+            "trainer.total_steps": 2, "data.prompts_per_step": 4, "rollout.samples_per_prompt": 2, "actor.ppo_epochs": 1,
+            "critic.ppo_epochs": 1, "rollout.fleet.heartbeat_s": 5})
+        job = cluster.run("sbatch", "--parsable", "--nodes", "2", "--gpus-per-node=0", f"--output={log}", f"--chdir={REPO}",
+                          f"--export=ALL,NPROC_PER_NODE=1,ROLLOUT_NODES=1,FLEET_PORT={free_port()},FLEET_TOKEN_FILE={token},"
+                          f"MASTER_PORT={free_port()},PYTHON={sys.executable},PYTHONPATH={REPO}",
+                          "launch/slurm/ppo.sbatch", "configs/tiny_cpu.yaml", *overrides).stdout.strip().split(";")[0]
+        info = cluster.wait_for(job, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"), timeout=600)
+        out = log.read_text()
+        assert info["JobState"] == "COMPLETED", f"{info}\n{out[-6000:]}\n{cluster.logs()}"
+    assert "restart 0: 1 nodes x 1" in out and "1 nodes x 1 servers (rollout.tp 1, cpu)" in out, out[-6000:]
+    assert "megarl serve n1-0: the trainer said bye" in out, out[-6000:]
+    assert oct(token.stat().st_mode & 0o777) == "0o600"
+    metrics = read_metrics(run_dir)
+    assert [m["fleet/servers"] for m in metrics] == [1, 1] and "fleet/tokens_per_s/n1-0" in metrics[-1]

