@@ -24,6 +24,9 @@ def check_placement(cfg: Config) -> None:
         raise ConfigError("algorithm.filter_groups.enable generates its rounds with the current weights, not "
                           f"async.max_staleness = {a.max_staleness} steps ahead: set async.max_staleness=0 or "
                           "algorithm.filter_groups.enable=false")
+    if a.partial_rollout and not a.max_staleness:
+        raise ConfigError("async.partial_rollout continues requests under newer weights, which async.max_staleness=0 never "
+                          "sends mid-generation: set async.max_staleness >= 1 or async.partial_rollout=false")
     if r.placement == "fleet":
         _check_fleet(cfg)
         return
@@ -47,14 +50,11 @@ def check_placement(cfg: Config) -> None:
     if alg.adv_estimator == "remax":
         raise ConfigError("rollout.placement=separate does not run adv_estimator=remax yet (its greedy baseline is a second "
                           "generation per step): use rollout.placement=colocated")
-    if a.partial_rollout and not a.max_staleness:
-        raise ConfigError("async.partial_rollout continues requests under newer weights, which async.max_staleness=0 never "
-                          "sends mid-generation: set async.max_staleness >= 1 or async.partial_rollout=false")
 
 
 def _check_fleet(cfg: Config) -> None:
     """What rollout.placement=fleet runs so far (megarl.rollout_side.fleet): steps up to
-    async.max_staleness ahead without partial rollouts, servers running the hf engine (one process) or
+    async.max_staleness ahead (partial rollouts on hf servers), servers running the hf engine (one process) or
     the vllm engine (rollout.tp processes), single-turn samples. rollout.engine and rollout.tp name
     the servers' engine and its size (each starts with the same `--engine`, under torchrun
     --nproc_per_node rollout.tp; the trainer refuses another) and the training job builds none."""
@@ -69,13 +69,17 @@ def _check_fleet(cfg: Config) -> None:
         raise ConfigError(f"rollout.placement=fleet runs servers of rollout.tp > 1 with rollout.engine=vllm (torchrun "
                           f"--nproc_per_node {r.tp} -m megarl.rollout.serve), got rollout.engine={r.engine} with rollout.tp = "
                           f"{r.tp}: set rollout.tp=1 or rollout.engine=vllm")
-    if a.partial_rollout:
-        # a server takes new weights between requests, never within one: no request spans two versions
-        raise ConfigError("rollout.placement=fleet does not continue requests under newer weights (async.partial_rollout) "
-                          "yet: set async.partial_rollout=false (async.max_staleness runs) or rollout.placement=separate")
+    if a.partial_rollout and r.engine != "hf":
+        # the hf engine loads between tokens (a hook); vLLM would abort and resubmit, which its servers do not yet
+        raise ConfigError(f"async.partial_rollout over a fleet runs rollout.engine=hf servers, got {r.engine}: set "
+                          f"async.partial_rollout=false (async.max_staleness runs) or rollout.engine=hf")
+    if cfg.algorithm.adv_estimator == "remax" and a.max_staleness:
+        # the greedy baseline comes from the weights trained now; the samples from K updates before
+        raise ConfigError("algorithm.adv_estimator=remax takes its greedy baseline from the current weights, but under "
+                          f"async.max_staleness = {a.max_staleness} its samples come from older ones: set "
+                          "async.max_staleness=0 or another algorithm.adv_estimator")
     for on, key in ((cfg.actor.routing_replay, "actor.routing_replay"),
-                    (cfg.rollout.multi_turn.environment is not None, "rollout.multi_turn.environment"),
-                    (cfg.algorithm.adv_estimator == "remax", "algorithm.adv_estimator=remax")):
+                    (cfg.rollout.multi_turn.environment is not None, "rollout.multi_turn.environment")):
         if on:
             raise ConfigError(f"rollout.placement=fleet does not run {key} yet: turn it off or use "
                               f"rollout.placement=colocated")

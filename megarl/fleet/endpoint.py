@@ -115,13 +115,15 @@ class FleetEndpoint:
     """The ROUTER the servers join; `publish` and `run` are called from the trainer's thread."""
 
     def __init__(self, host: str, port: int, token: str, heartbeat_s: float, model_config: dict, dtype: str,
-                 log: Callable[[str], None] = print, *, engine: str = "hf", tp: int = 1, max_model_len: int | None = None):
+                 log: Callable[[str], None] = print, *, engine: str = "hf", tp: int = 1, max_model_len: int | None = None,
+                 partial_rollout: bool = False):
         self.token, self.heartbeat_s = token, heartbeat_s
         self.log = BackgroundLog(log)  # a slow log write never holds up the socket's thread (megarl/fleet/log.py)
         self._model_config, self._dtype = model_config, dtype
         # the one engine the run's servers may run (rollout.engine) and its ranks (rollout.tp), and the
         # prompt + response tokens vLLM sizes its sequences by (None: the model's own limit), told in the welcome
         self.engine, self.tp, self._max_model_len = engine, tp, max_model_len
+        self._partial_rollout = partial_rollout  # async.partial_rollout: servers load new weights between tokens
         # building a link and sending the weights over it: both ends are there when it starts, so
         # only a dead or cut-off server takes this long (and is then lost)
         self.link_timeout_s = max(60.0, 3 * heartbeat_s)
@@ -401,7 +403,8 @@ class FleetEndpoint:
         self.stats.joined_total += 1
         self.log(f"megarl fleet: server {header['server_id']} joined; {len(self._servers)} joined")
         self._outbox.put((identity, encode("welcome", model_config=self._model_config, dtype=self._dtype,
-                                           max_model_len=self._max_model_len, heartbeat_s=self.heartbeat_s, transfer=offer)))
+                                           max_model_len=self._max_model_len, heartbeat_s=self.heartbeat_s, transfer=offer,
+                                           partial_rollout=self._partial_rollout)))
 
     def _beat(self, now: float) -> None:
         """Heartbeats out; servers silent for heartbeat_s are lost. A server still joining (welcomed,

@@ -13,10 +13,12 @@ A message that fails raises `WireError` with the reason; the receiver logs it an
                         link{prefix}                      (its engine is built: it joins its weight link)
                         ready{version}                    (weights of that version loaded)
                         result{step, version, request_ids, samples, tokens_per_s}
+                                                          (a sample's versions: each token's weights)
                         heartbeat{version}  bye{reason}
-    trainer -> server   welcome{model_config, dtype, max_model_len, heartbeat_s, transfer}  refused{reason}
-                                                          (transfer: where its weight link meets;
-                                                           max_model_len: prompt + response tokens, or nil)
+    trainer -> server   welcome{model_config, dtype, max_model_len, heartbeat_s, transfer, partial_rollout}
+                        refused{reason}                   (transfer: where its weight link meets;
+                                                           max_model_len: prompt + response tokens, or nil;
+                                                           partial_rollout: load new weights between tokens)
                         weights{version, tensors, bytes}  (the bytes then come over the link)
                         request{step, version, request_ids, prompt_index, prompt_ids, seeds, sampling}
                         heartbeat{version}  bye{reason}
@@ -43,7 +45,8 @@ Number = (int, float)
 OptionalInt = (int, type(None))
 SCHEMAS: dict[str, dict[str, object]] = {
     "hello": {"token": str, "server_id": str, "engine": str, "tp": int},
-    "welcome": {"model_config": dict, "dtype": str, "max_model_len": OptionalInt, "heartbeat_s": Number, "transfer": dict},
+    "welcome": {"model_config": dict, "dtype": str, "max_model_len": OptionalInt, "heartbeat_s": Number, "transfer": dict,
+                "partial_rollout": bool},
     "refused": {"reason": str},
     "weights": {"version": int, "tensors": [dict], "bytes": int},
     "link": {"prefix": str},
@@ -58,7 +61,7 @@ SCHEMAS: dict[str, dict[str, object]] = {
 SAMPLING = {"temperature": Number, "top_p": Number, "top_k": int, "max_new_tokens": int, "stop_token_ids": [int],
             "banned_token_ids": [int]}
 SAMPLE = {"request_id": int, "sample_index": int, "token_ids": [int], "logprobs": [Number], "scaled_logprobs": [Number],
-          "finish_reason": str}
+          "finish_reason": str, "versions": [int]}
 TENSOR = {"name": str, "dtype": str, "shape": [int]}
 TRANSFER = {"backend": str, "port": int, "prefix": str, "timeout_s": Number}
 

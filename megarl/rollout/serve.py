@@ -35,8 +35,10 @@ from megarl.fleet.wire import WireError, decode, encode
 from megarl.rollout.base import MissingEngineError
 from megarl.rollout.server_engines import Lockstep, ServerEngine, ServerEngineHost, follow, server_engine, server_world
 
-# tests only: seconds a server waits before generating each request, so that a kill lands mid-request
+# tests only: seconds a server waits before generating each request, so that a kill lands mid-request,
+# and between two tokens of a request under async.partial_rollout, so that new weights land mid-request
 TEST_DELAY_ENV = "MEGARL_FLEET_TEST_DELAY_S"
+TEST_TOKEN_DELAY_ENV = "MEGARL_FLEET_TEST_TOKEN_DELAY_S"
 
 
 class _Worker:
@@ -63,9 +65,12 @@ class _Worker:
         self.outbox = Mailbox()  # replies for the socket's thread, which it wakes
         self.session = 0  # the newest welcome's number (set by the socket's thread)
         self.version = 0
+        self.staging = threading.Lock()
+        self.staged: tuple[int, dict] | None = None  # the newest weights received (session, header and bytes), not loaded
         self.link = None  # the weight link of the current session (megarl/fleet/link.py)
         self.link_timeout_s = 60.0
         self.delay_s = float(os.environ.get(TEST_DELAY_ENV, "0") or 0)
+        self.token_delay_s = float(os.environ.get(TEST_TOKEN_DELAY_ENV, "0") or 0)
         self.thread = threading.Thread(target=self._run, args=(self.jobs, "_"), name="megarl-serve-engine", daemon=True)
         self.thread.start()
         # never joined: a receive from a trainer that died ends only at the link's timeout
@@ -104,10 +109,30 @@ class _Worker:
             self.lockstep.send("welcome", {k: header[k] for k in ("model_config", "dtype", "max_model_len")})
         self.host.build(header)
         self.version = 0
+        with self.staging:
+            self.staged = None
+        # async.partial_rollout (hf engines): weights that arrive during a request are loaded between
+        # its tokens, each token recording the version that sampled it
+        self.host.engine.between_tokens = self._between_tokens if header["partial_rollout"] else None
         # the engine is built: the link's thread joins the link now, so neither end waits long
         self.link_jobs.put(("join", header["transfer"], session))
 
     def _load(self, header, session) -> None:
+        self._load_staged()
+
+    def _between_tokens(self) -> None:
+        if self.token_delay_s:
+            time.sleep(self.token_delay_s)
+        self._load_staged()
+
+    def _load_staged(self) -> None:
+        """The newest weights received and not loaded yet, if any (between requests, or between the
+        tokens of one under async.partial_rollout); a version superseded before its turn is skipped."""
+        with self.staging:
+            staged, self.staged = self.staged, None
+        if staged is None or staged[0] != self.session:
+            return  # nothing new, or an earlier trainer's: its receive ended after this session began
+        header = staged[1]
         if self.lockstep is not None:
             self.lockstep.send("load", {"tensors": header["tensors"], "version": header["version"],
                                         "bytes": header["bytes"]}, header["flat"])
@@ -141,7 +166,9 @@ class _Worker:
         if self.host.engine is None or self.link is None:
             raise RuntimeError("weights before the model config and the weight link")
         flat = link.receive(self.link, header["bytes"], self.link_timeout_s)
-        self.jobs.put(("load", {**header, "flat": flat}, session))  # loaded between two requests
+        with self.staging:
+            self.staged = (session, {**header, "flat": flat})
+        self.jobs.put(("load", None, session))  # loaded between two requests (or tokens), in the jobs' order
 
 
 def serve(address: str, token: str, engine_maker: ServerEngine, server_id: str, lockstep: Lockstep | None = None,

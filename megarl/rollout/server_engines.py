@@ -207,10 +207,12 @@ class ServerEngineHost:
         results = self.engine.generate([r for _, _, r in rows], sampling) if rows else []
         elapsed = time.perf_counter() - start
         tokens = sum(len(r.response_token_ids) for r in results)
+        version = getattr(self.engine, "version", 0)  # an engine that does not record each token's weights: all its
         samples = [{"request_id": rid, "sample_index": j, "token_ids": list(r.response_token_ids),
                     "logprobs": [float(x) for x in r.logprobs],
                     "scaled_logprobs": [float(x) for x in r.scaled_logprobs] if r.scaled_logprobs is not None else [],
-                    "finish_reason": r.finish_reason}
+                    "finish_reason": r.finish_reason,
+                    "versions": [int(v) for v in r.versions] if r.versions else [version] * len(r.response_token_ids)}
                    for (rid, j, _), r in zip(rows, results)]
         return samples, tokens / elapsed if elapsed > 0 else 0.0
 

@@ -115,7 +115,7 @@ class FleetEngine:
                 tokens = sample["token_ids"]
                 results.append(RolloutResult(req.prompt_index, sample["sample_index"], tokens, sample["logprobs"],
                                              sample["finish_reason"], sample["scaled_logprobs"] or None,
-                                             versions=[answer.version] * len(tokens), server=answer.server_id))
+                                             versions=list(sample["versions"]), server=answer.server_id))
         return results
 
     def generate(self, requests: list[RolloutRequest], sampling: SamplingParams) -> list[RolloutResult]:
@@ -140,7 +140,9 @@ class FleetRollout:
     Under async.max_staleness K > 0 step t's prompts are drawn and submitted at step t - K, with the
     weights published then, so the servers generate steps ahead while the trainer trains; a sample
     older than K updates when its step trains (none is, unless its weights lagged) is dropped with
-    its prompt group and generated again with the current weights. A checkpoint records the data's
+    its prompt group and generated again with the current weights. With async.partial_rollout the
+    servers load new weights between the tokens of a running request, and a sample's age counts
+    from its oldest token. A checkpoint records the data's
     position before the prompts in flight: a resume draws them again, none is lost or trained twice."""
 
     def __init__(self, engine: FleetEngine, weight_path: str, hand_over: WeightHandOver, dispatch, data,
@@ -175,14 +177,14 @@ class FleetRollout:
         results = self._results(step, handle)
         stats = StalenessStats()
         stale = {r.prompt_index for r in results if r.versions and not is_fresh(
-            step, self.engine.policy[r.versions[0]], self.max_staleness)}
+            step, self.engine.policy[min(r.versions)], self.max_staleness)}
         if stale:  # every rank sees every result: the same groups everywhere, generated again together
             stats.dropped = sum(1 for r in results if r.prompt_index in stale)
             again = self._results(step, self._submit([p for p in prompts if p.global_index in stale], self.sampling, step))
             results = [r for r in results if r.prompt_index not in stale] + again
         for r in results:
-            if r.versions:
-                stats.add(step, [self.engine.policy[r.versions[0]]])
+            if r.versions:  # under async.partial_rollout a sample's tokens may span versions
+                stats.add(step, [self.engine.policy[v] for v in r.versions])
         metrics = {**self._metrics, **stats.metrics()}
         return StepSamples(self._mine(prompts, results, self.sampling), metrics=metrics,
                            current_weights=not stats.staleness_max)
@@ -269,7 +271,8 @@ def open_fleet(cfg, model_dir: str, dtype: torch.dtype, rank: int, max_model_len
     with open(Path(model_dir) / "config.json") as file:
         model_config = json.load(file)
     endpoint = FleetEndpoint(f.host, f.port, token, f.heartbeat_s, model_config, DTYPE_NAMES[dtype], log=log,
-                             engine=cfg.rollout.engine, tp=cfg.rollout.tp, max_model_len=max_model_len)
+                             engine=cfg.rollout.engine, tp=cfg.rollout.tp, max_model_len=max_model_len,
+                             partial_rollout=cfg.async_.partial_rollout)
     launcher = "python" if cfg.rollout.tp == 1 else f"torchrun --nproc_per_node {cfg.rollout.tp}"
     log(f"megarl fleet: endpoint open on {endpoint.address}; start servers with `{launcher} -m megarl.rollout.serve "
         f"--trainer {endpoint.address} --token-file <a copy of rollout.fleet.token_file> --engine {cfg.rollout.engine}`")

@@ -5,7 +5,10 @@ A sample is a function of the weights, the prompt and its seed, and a server tak
 between requests, in the order they came: step t's requests, sent with the weights of step t - 1,
 are generated with those. So the run trains what separate placement at async.max_staleness=1 trains
 (its rollout rank generates step t with the same weights), and logs its metrics, the `async/`
-staleness ones included; and every sample is one update old from step 2 on, never more."""
+staleness ones included; and every sample is one update old from step 2 on, never more.
+
+ReMax over a fleet (at K = 0) generates its greedy baseline over the fleet too, from the step's
+weights, and logs the colocated ReMax run's metrics."""
 from __future__ import annotations
 
 import json
@@ -76,3 +79,77 @@ def test_fleet_at_k1_trains_what_separate_placement_at_k1_trains(tmp_path):
         assert len(compared) > 30 and "async/staleness_mean" in compared
         for key in compared:
             assert fleet_row[key] == pytest.approx(ref_row[key], abs=1e-6), key
+
+
+def test_remax_over_a_fleet_takes_its_greedy_baseline_from_the_servers(tmp_path):
+    """algorithm.adv_estimator=remax at async.max_staleness=0: each step's greedy baseline is a second
+    generation over the fleet, from the same weights as its samples; the run logs the colocated
+    ReMax run's metrics (the advantages are rewards less that baseline)."""
+    remax = {"trainer.total_steps": 2, "algorithm.adv_estimator": "remax"}
+    run_dir, port = tmp_path / "fleet", free_port()
+    overrides = shared_overrides(run_dir, **remax, **{"rollout.placement": "fleet", "rollout.fleet.port": port})
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    with open(tmp_path / "trainer.log", "w") as out:
+        trainer = subprocess.Popen([sys.executable, "launch/ppo.py", "--config", "configs/tiny_cpu.yaml", *overrides],
+                                   cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    server = None
+    try:
+        wait_for_output(tmp_path / "trainer.log", "megarl fleet: endpoint open", trainer)
+        with open(tmp_path / "server.log", "w") as out:
+            server = subprocess.Popen([sys.executable, "-m", "megarl.rollout.serve", "--trainer", f"127.0.0.1:{port}",
+                                       "--token-file", str(run_dir / "fleet.token"), "--server-id", "g"],
+                                      cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        assert trainer.wait(timeout=300) == 0, (tmp_path / "trainer.log").read_text()[-4000:]
+    finally:
+        for proc in (trainer, server):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    server_log = (tmp_path / "server.log").read_text()
+    assert server_log.count("step 1:") == 2, server_log[-3000:]  # the samples' requests and the baseline's
+    reference = reference_run(0, **remax)
+    for fleet_row, ref_row in zip(read_metrics(run_dir), read_metrics(reference), strict=True):
+        compared = [k for k in ref_row if k in fleet_row and isinstance(ref_row[k], (int, float)) and not k.startswith(OWN)]
+        assert len(compared) > 20 and "critic/advantages/mean" in compared  # no critic under ReMax
+        for key in compared:
+            assert fleet_row[key] == pytest.approx(ref_row[key], abs=1e-6), key
+
+
+def test_partial_rollouts_over_a_fleet_take_new_weights_between_tokens(tmp_path):
+    """async.partial_rollout at async.max_staleness=1: an hf server slowed between tokens (2 s: step 2's
+    request lasts about 6 s after step 1's samples are in, long enough for step 1's update on a loaded
+    machine) is still generating step 2 when the trainer publishes step 2's weights; it loads them between two tokens,
+    so step 2's samples span two versions (each token names its own), their age counts from the
+    oldest token, and nothing is dropped or trained twice."""
+    run_dir, port = tmp_path / "fleet", free_port()
+    overrides = shared_overrides(run_dir, **{
+        "trainer.total_steps": 2, "tracking.sample_ids": "true", "async.max_staleness": 1, "async.partial_rollout": "true",
+        "rollout.ignore_eos": "true", "rollout.placement": "fleet", "rollout.fleet.port": port})
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    with open(tmp_path / "trainer.log", "w") as out:
+        trainer = subprocess.Popen([sys.executable, "launch/ppo.py", "--config", "configs/tiny_cpu.yaml", *overrides],
+                                   cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    server = None
+    try:
+        wait_for_output(tmp_path / "trainer.log", "megarl fleet: endpoint open", trainer)
+        with open(tmp_path / "server.log", "w") as out:
+            server = subprocess.Popen([sys.executable, "-m", "megarl.rollout.serve", "--trainer", f"127.0.0.1:{port}",
+                                       "--token-file", str(run_dir / "fleet.token"), "--server-id", "p"], cwd=REPO,
+                                      env={**env, "MEGARL_FLEET_TEST_TOKEN_DELAY_S": "2"}, stdout=out,
+                                      stderr=subprocess.STDOUT)
+        assert trainer.wait(timeout=300) == 0, (tmp_path / "trainer.log").read_text()[-4000:]
+    finally:
+        for proc in (trainer, server):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    metrics = read_metrics(run_dir)
+    steps = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    for line in steps:
+        assert sorted((r[1], r[2]) for r in line["samples"]) == [(p, j) for p in range(8) for j in range(4)]
+        assert all(r[3] == sorted(r[3]) and len(r[3]) == 4 for r in line["samples"])  # versions never go back
+    spanning = [r for r in steps[1]["samples"] if len(set(r[3])) > 1]
+    assert spanning and {tuple(sorted(set(r[3]))) for r in spanning} == {(1, 2)}, steps[1]["samples"][:4]
+    assert metrics[1]["async/partial_fraction"] == len(spanning) / 32
+    assert [m["async/staleness_max"] for m in metrics] == [0, 1]  # from the oldest token
+    assert [m["async/dropped_stale"] for m in metrics] == [0, 0]

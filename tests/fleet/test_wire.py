@@ -54,9 +54,9 @@ def _header(**fields) -> bytes:
     ([_header(type="weights", version=1, tensors=[{"name": "w", "dtype": "object", "shape": [1]}], bytes=1)],
      "weights: tensor 'w' has dtype 'object'"),
     ([_header(type="weights", version=1, tensors=[], bytes=0), b"x"], "weights carries 1 extra frames"),
-    ([_header(type="welcome", model_config={}, dtype="float32", max_model_len=None, heartbeat_s=1.0, transfer={"port": 1})],
+    ([_header(type="welcome", model_config={}, dtype="float32", max_model_len=None, heartbeat_s=1.0, transfer={"port": 1}, partial_rollout=False)],
      "welcome.transfer: missing field 'backend'"),
-    ([_header(type="welcome", model_config={}, dtype="float32", max_model_len="64", heartbeat_s=1.0, transfer={})],
+    ([_header(type="welcome", model_config={}, dtype="float32", max_model_len="64", heartbeat_s=1.0, transfer={}, partial_rollout=False)],
      "welcome: field 'max_model_len' has the wrong type (str)"),
     ([_header(type="request", step=1, version=1, request_ids=[1], prompt_index=[0], prompt_ids=[[1]], seeds=[],
               sampling=SAMPLING)], "request: request_ids, prompt_index, prompt_ids and seeds differ in length"),
@@ -173,11 +173,14 @@ def test_a_server_of_another_engine_is_refused_and_one_of_the_runs_is_told_the_s
     (["rollout.engine=sglang"], 1, "rollout.placement=fleet runs servers with rollout.engine=hf or vllm so far, got sglang"),
     (["rollout.tp=2"], 1, "rollout.placement=fleet runs servers of rollout.tp > 1 with rollout.engine=vllm (torchrun "
                           "--nproc_per_node 2 -m megarl.rollout.serve), got rollout.engine=hf"),
-    (["async.max_staleness=1", "async.partial_rollout=true"], 1,
-     "rollout.placement=fleet does not continue requests under newer weights (async.partial_rollout) yet"),
+    (["async.max_staleness=1", "async.partial_rollout=true", "rollout.engine=vllm"], 1,
+     "async.partial_rollout over a fleet runs rollout.engine=hf servers, got vllm"),
+    (["async.partial_rollout=true"], 1, "set async.max_staleness >= 1 or async.partial_rollout=false"),
     (["async.max_staleness=1", "algorithm.filter_groups.enable=true", "algorithm.adv_estimator=grpo"], 1,
      "set async.max_staleness=0 or algorithm.filter_groups.enable=false"),
     (["rollout.num_ranks=1"], 1, "rollout.num_ranks = 1 applies to rollout.placement=separate only"),
+    (["algorithm.adv_estimator=remax", "async.max_staleness=1"], 1,
+     "algorithm.adv_estimator=remax takes its greedy baseline from the current weights"),
     (["actor.routing_replay=true"], 1, "rollout.placement=fleet does not run actor.routing_replay yet"),
     (["rollout.fleet.host=10.0.0.0/24"], 1, "is not an interface address or name"),
 ])
@@ -220,7 +223,7 @@ def test_fleet_config_defaults_bind_loopback():
 def _answer(header: dict, drop_one: bool = False) -> list[bytes]:
     """A fake server's result for a request: one token per sample, its seed mod 7."""
     samples = [{"request_id": rid, "sample_index": j, "token_ids": [seed % 7], "logprobs": [-0.5], "scaled_logprobs": [-0.4],
-                "finish_reason": "length"}
+                "finish_reason": "length", "versions": [header["version"]]}
                for rid, seeds in zip(header["request_ids"], header["seeds"]) for j, seed in enumerate(seeds)]
     return encode("result", step=header["step"], version=header["version"], request_ids=header["request_ids"],
                   samples=samples[:-1] if drop_one else samples, tokens_per_s=100.0)
