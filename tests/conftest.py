@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -135,8 +136,26 @@ def wait_before_the_last_tests(item, say=print, poll_s: float = 2.0) -> float:
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, for a process group's rendezvous."""
-    with socket.socket() as s:
+    """A TCP port free on 127.0.0.1 now, for a process group's rendezvous or a server a test starts,
+    chosen below the kernel's ephemeral range: the OS hands ports of that range to every outgoing
+    connection and every bind to port 0, and with the core and vLLM tiers running beside the full
+    one, a port of it picked here was taken by another process before the test's server bound it
+    (tests/tracking/test_monitor_run.py: "Address already in use", CI at 9bbb32f). Below the range,
+    only another test picking at random could take it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    pick = random.SystemRandom()
+    for _ in range(100):
+        port = pick.randrange(10000, max(low, 10001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range below is crowded: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
