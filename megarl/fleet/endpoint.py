@@ -378,25 +378,18 @@ class FleetEndpoint:
     def _hello(self, identity: bytes, header: dict) -> None:
         """The token first; a server that cannot show it gets nothing but the refusal."""
         if not token_matches(header["token"], self.token):
-            self.stats.refused_total += 1
-            self.log(f"megarl fleet: refused server {header['server_id']!r}: wrong token")
-            self._outbox.put((identity, encode("refused", reason="wrong token: use the run's rollout.fleet.token_file")))
+            self._refuse(identity, header, "wrong token", "wrong token: use the run's rollout.fleet.token_file")
             return
         if header["engine"] != self.engine:
             # one engine per run: hf and vLLM sample differently from one seed (a resubmission must not change a sample)
-            self.stats.refused_total += 1
-            self.log(f"megarl fleet: refused server {header['server_id']!r}: engine {header['engine']!r}, but this run's "
-                     f"rollout.engine is {self.engine}")
-            self._outbox.put((identity, encode("refused", reason=f"engine {header['engine']!r}: this run's servers run "
-                                                                 f"rollout.engine={self.engine}: start them with --engine {self.engine}")))
+            self._refuse(identity, header, f"engine {header['engine']!r}, but this run's rollout.engine is {self.engine}",
+                         f"engine {header['engine']!r}: this run's servers run rollout.engine={self.engine}: start them "
+                         f"with --engine {self.engine}")
             return
         if header["tp"] != self.tp:
             # vLLM at another tensor-parallel size reduces in another order: a resubmitted request could change
-            self.stats.refused_total += 1
-            self.log(f"megarl fleet: refused server {header['server_id']!r}: {header['tp']} ranks, but this run's "
-                     f"rollout.tp is {self.tp}")
-            self._outbox.put((identity, encode("refused", reason=f"{header['tp']} ranks: this run's servers run "
-                                                                 f"rollout.tp={self.tp}: {self._start_hint()}")))
+            self._refuse(identity, header, f"{header['tp']} ranks, but this run's rollout.tp is {self.tp}",
+                         f"{header['tp']} ranks: this run's servers run rollout.tp={self.tp}: {self._start_hint()}")
             return
         offer = self._links.offer()  # a new link for every join: a server that joins again gets a new one
         self._servers[identity] = _Server(identity, header["server_id"], time.monotonic(), offer)
@@ -405,6 +398,12 @@ class FleetEndpoint:
         self._outbox.put((identity, encode("welcome", model_config=self._model_config, dtype=self._dtype,
                                            max_model_len=self._max_model_len, heartbeat_s=self.heartbeat_s, transfer=offer,
                                            partial_rollout=self._partial_rollout)))
+
+    def _refuse(self, identity: bytes, header: dict, why: str, reason: str) -> None:
+        """A hello refused: counted, one log line (`why`), and the refusal (`reason`) the only reply."""
+        self.stats.refused_total += 1
+        self.log(f"megarl fleet: refused server {header['server_id']!r}: {why}")
+        self._outbox.put((identity, encode("refused", reason=reason)))
 
     def _beat(self, now: float) -> None:
         """Heartbeats out; servers silent for heartbeat_s are lost. A server still joining (welcomed,

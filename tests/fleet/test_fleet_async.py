@@ -36,28 +36,8 @@ def test_fleet_at_k1_trains_what_separate_placement_at_k1_trains(tmp_path):
     run_dir, port = tmp_path / "fleet", free_port()
     overrides = shared_overrides(run_dir, **COMMON, **{
         "rollout.placement": "fleet", "rollout.fleet.port": port, "rollout.fleet.min_servers": 2})
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    procs: list[subprocess.Popen] = []
-
-    def start(args: list[str], name: str, extra_env: dict | None = None) -> subprocess.Popen:
-        with open(tmp_path / f"{name}.log", "w") as out:
-            proc = subprocess.Popen([sys.executable, *args], cwd=REPO, env={**env, **(extra_env or {})}, stdout=out,
-                                    stderr=subprocess.STDOUT)
-        procs.append(proc)
-        return proc
-
-    try:
-        trainer = start(["launch/ppo.py", "--config", "configs/tiny_cpu.yaml", *overrides], "trainer")
-        wait_for_output(tmp_path / "trainer.log", "megarl fleet: endpoint open", trainer)
-        for name, delay in (("a", "0.5"), ("b", "0")):  # a slow: weights reach it while it generates
-            start(["-m", "megarl.rollout.serve", "--trainer", f"127.0.0.1:{port}", "--token-file",
-                   str(run_dir / "fleet.token"), "--server-id", name], name, {"MEGARL_FLEET_TEST_DELAY_S": delay})
-        assert trainer.wait(timeout=300) == 0, (tmp_path / "trainer.log").read_text()[-4000:]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    # a slow: weights reach it while it generates
+    _fleet_run(tmp_path, run_dir, port, overrides, {"a": {"MEGARL_FLEET_TEST_DELAY_S": "0.5"}, "b": {}})
 
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
@@ -88,24 +68,8 @@ def test_remax_over_a_fleet_takes_its_greedy_baseline_from_the_servers(tmp_path)
     remax = {"trainer.total_steps": 2, "algorithm.adv_estimator": "remax"}
     run_dir, port = tmp_path / "fleet", free_port()
     overrides = shared_overrides(run_dir, **remax, **{"rollout.placement": "fleet", "rollout.fleet.port": port})
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    with open(tmp_path / "trainer.log", "w") as out:
-        trainer = subprocess.Popen([sys.executable, "launch/ppo.py", "--config", "configs/tiny_cpu.yaml", *overrides],
-                                   cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    server = None
-    try:
-        wait_for_output(tmp_path / "trainer.log", "megarl fleet: endpoint open", trainer)
-        with open(tmp_path / "server.log", "w") as out:
-            server = subprocess.Popen([sys.executable, "-m", "megarl.rollout.serve", "--trainer", f"127.0.0.1:{port}",
-                                       "--token-file", str(run_dir / "fleet.token"), "--server-id", "g"],
-                                      cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-        assert trainer.wait(timeout=300) == 0, (tmp_path / "trainer.log").read_text()[-4000:]
-    finally:
-        for proc in (trainer, server):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    server_log = (tmp_path / "server.log").read_text()
+    _fleet_run(tmp_path, run_dir, port, overrides, {"g": {}})
+    server_log = (tmp_path / "g.log").read_text()
     assert server_log.count("step 1:") == 2, server_log[-3000:]  # the samples' requests and the baseline's
     reference = reference_run(0, **remax)
     for fleet_row, ref_row in zip(read_metrics(run_dir), read_metrics(reference), strict=True):
@@ -125,24 +89,7 @@ def test_partial_rollouts_over_a_fleet_take_new_weights_between_tokens(tmp_path)
     overrides = shared_overrides(run_dir, **{
         "trainer.total_steps": 2, "tracking.sample_ids": "true", "async.max_staleness": 1, "async.partial_rollout": "true",
         "rollout.ignore_eos": "true", "rollout.placement": "fleet", "rollout.fleet.port": port})
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    with open(tmp_path / "trainer.log", "w") as out:
-        trainer = subprocess.Popen([sys.executable, "launch/ppo.py", "--config", "configs/tiny_cpu.yaml", *overrides],
-                                   cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-    server = None
-    try:
-        wait_for_output(tmp_path / "trainer.log", "megarl fleet: endpoint open", trainer)
-        with open(tmp_path / "server.log", "w") as out:
-            server = subprocess.Popen([sys.executable, "-m", "megarl.rollout.serve", "--trainer", f"127.0.0.1:{port}",
-                                       "--token-file", str(run_dir / "fleet.token"), "--server-id", "p"], cwd=REPO,
-                                      env={**env, "MEGARL_FLEET_TEST_TOKEN_DELAY_S": "2"}, stdout=out,
-                                      stderr=subprocess.STDOUT)
-        assert trainer.wait(timeout=300) == 0, (tmp_path / "trainer.log").read_text()[-4000:]
-    finally:
-        for proc in (trainer, server):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    _fleet_run(tmp_path, run_dir, port, overrides, {"p": {"MEGARL_FLEET_TEST_TOKEN_DELAY_S": "2"}})
     metrics = read_metrics(run_dir)
     steps = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     for line in steps:
@@ -153,3 +100,29 @@ def test_partial_rollouts_over_a_fleet_take_new_weights_between_tokens(tmp_path)
     assert metrics[1]["async/partial_fraction"] == len(spanning) / 32
     assert [m["async/staleness_max"] for m in metrics] == [0, 1]  # from the oldest token
     assert [m["async/dropped_stale"] for m in metrics] == [0, 0]
+
+
+def _fleet_run(tmp_path, run_dir, port: int, overrides: list[str], servers: dict[str, dict]) -> None:
+    """The trainer (one process) and its servers ({name: extra environment}), started once its
+    endpoint is open; the trainer must exit 0."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    procs: list[subprocess.Popen] = []
+
+    def start(args: list[str], name: str, extra_env: dict) -> subprocess.Popen:
+        with open(tmp_path / f"{name}.log", "w") as out:
+            procs.append(subprocess.Popen([sys.executable, *args], cwd=REPO, env={**env, **extra_env}, stdout=out,
+                                          stderr=subprocess.STDOUT))
+        return procs[-1]
+
+    try:
+        trainer = start(["launch/ppo.py", "--config", "configs/tiny_cpu.yaml", *overrides], "trainer", {})
+        wait_for_output(tmp_path / "trainer.log", "megarl fleet: endpoint open", trainer)
+        for name, extra_env in servers.items():
+            start(["-m", "megarl.rollout.serve", "--trainer", f"127.0.0.1:{port}", "--token-file",
+                   str(run_dir / "fleet.token"), "--server-id", name], name, extra_env)
+        assert trainer.wait(timeout=300) == 0, (tmp_path / "trainer.log").read_text()[-4000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
